@@ -1,0 +1,1 @@
+"""medseg.apps: the Streamlit viewer for trained bundles."""

@@ -1,0 +1,1 @@
+"""medseg.datasets: synthetic dataset makers, DICOM series I/O, Decathlon datalists, validation."""
