@@ -9,7 +9,9 @@ from medseg.errors import ConfigError
 SYNC_MODES = ("none",)
 
 
-def wrap_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, sync: str = "none") -> torch.optim.Optimizer:
+def wrap_optimizer(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, sync: str = "none"
+) -> torch.optim.Optimizer:
     """Return the optimizer the training loop steps, wrapped for the synchronisation mode ``sync``.
 
     ``none`` trains in one process and returns ``optimizer`` unchanged.

@@ -1,0 +1,459 @@
+"""DICOM series I/O with checked geometry.
+
+Volumes are indexed (i, j, k) with a 4x4 voxel-to-world affine in RAS (the NIfTI/MONAI convention).
+DICOM stores LPS, so ``LPS = diag(-1, -1, 1) @ RAS``. Slice k of a volume is one DICOM image whose
+column index is i and row index is j: ``pixel_array = volume[:, :, k].T``.
+
+Unlike MONAI's ``PydicomReader``, the reader never averages uneven slice gaps: missing slices or
+uneven spacing raise :class:`~medseg.errors.DataError` unless ``resample=True`` is asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nibabel as nib
+import numpy as np
+import pydicom
+from monai.data import ImageReader
+from monai.utils import MetaKeys, SpaceKeys
+from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.errors import InvalidDicomError
+from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
+from pydicom.valuerep import format_number_as_ds
+
+from medseg.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+_FLIP = np.diag([-1.0, -1.0, 1.0, 1.0])  # RAS <-> LPS (its own inverse)
+_INT16_MIN, _INT16_MAX = -32768, 32767
+
+
+def _ds(x: float) -> str:
+    """A decimal string that fits the 16 characters DICOM allows."""
+    return format_number_as_ds(float(x))
+
+
+def _rescale(volume: np.ndarray) -> tuple[float, float]:
+    """Choose (slope, intercept) so that ``round((v - intercept) / slope)`` fits int16.
+
+    Integer-valued data whose range spans at most 65535 keeps slope 1 (lossless; intercept 0 when the
+    values already fit int16). Other data spreads its range over the int16 codes, so the quantisation
+    error is at most slope / 2 = (max - min) / 131068. Both numbers are rounded to their DICOM decimal
+    string first, so the values written are exactly the ones used to quantise.
+    """
+    volume = np.asarray(volume, dtype=np.float64)
+    lo, hi = float(volume.min()), float(volume.max())
+    if np.all(np.mod(volume, 1) == 0) and hi - lo <= _INT16_MAX - _INT16_MIN:
+        fits = lo >= _INT16_MIN and hi <= _INT16_MAX
+        return 1.0, 0.0 if fits else float(lo - _INT16_MIN)
+    slope = float(_ds((hi - lo) / 65534.0)) if hi > lo else 1.0
+    intercept = float(_ds(lo + 32767.0 * slope)) if hi > lo else float(_ds(lo))
+    return slope, intercept
+
+
+def _series_header(
+    modality: str, description: str, patient_id: str, study_uid: str | None, series_uid: str
+) -> Dataset:
+    """The tags shared by every slice of a written CT Image Storage series."""
+    ds = Dataset()
+    ds.file_meta = FileMetaDataset()
+    ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds.file_meta.MediaStorageSOPClassUID = ds.SOPClassUID = CTImageStorage
+    ds.PatientName, ds.PatientID, ds.PatientBirthDate, ds.PatientSex = patient_id, patient_id, "", ""
+    ds.StudyInstanceUID, ds.SeriesInstanceUID = study_uid or generate_uid(), series_uid
+    ds.FrameOfReferenceUID, ds.PositionReferenceIndicator = generate_uid(), ""
+    ds.StudyDate = ds.StudyTime = ds.ReferringPhysicianName = ds.AccessionNumber = ds.KVP = ""
+    ds.StudyID, ds.SeriesNumber, ds.AcquisitionNumber = "1", 1, 1
+    ds.Modality, ds.SeriesDescription, ds.Manufacturer = modality, description, "medseg"
+    ds.ImageType = ["DERIVED", "SECONDARY", "AXIAL"]
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 1
+    return ds
+
+
+def write_dicom_series(
+    volume: np.ndarray,
+    affine: np.ndarray,
+    out_dir: str | Path,
+    *,
+    modality: str = "CT",
+    series_description: str = "medseg",
+    patient_id: str = "ANON",
+    series_uid: str | None = None,
+    study_uid: str | None = None,
+    overwrite: bool = False,
+) -> list[Path]:
+    """Write a 3D volume with a RAS affine as a CT Image Storage series, one file per slice k.
+
+    Pixels are int16 with RescaleSlope/RescaleIntercept (see ``_rescale``). Each file goes to a
+    temporary name first; with ``overwrite=True`` older ``*.dcm`` files in ``out_dir`` are replaced.
+    """
+    out_dir = Path(out_dir)
+    volume = np.asarray(volume)
+    affine = np.asarray(affine, dtype=np.float64)
+    if volume.ndim != 3 or min(volume.shape) < 1:
+        raise DataError(f"write_dicom_series needs a 3D volume, got shape {volume.shape} for {out_dir}")
+    if affine.shape != (4, 4) or not np.all(np.isfinite(affine)):
+        raise DataError(f"write_dicom_series needs a finite 4x4 affine for {out_dir}, got {affine.tolist()}")
+    if not np.all(np.isfinite(volume)):
+        raise DataError(f"the volume for {out_dir} holds NaN or infinite values; replace them before writing")
+    lps = _FLIP @ affine
+    sp_i, sp_j, sp_k = (float(np.linalg.norm(lps[:3, n])) for n in range(3))
+    if min(sp_i, sp_j, sp_k) <= 0:
+        raise DataError(f"the affine for {out_dir} has a zero-length axis: {affine.tolist()}")
+    row_dir, col_dir = lps[:3, 0] / sp_i, lps[:3, 1] / sp_j
+    if abs(float(row_dir @ col_dir)) > 1e-4:
+        raise DataError(f"the affine for {out_dir} shears the i/j plane, which DICOM cannot store")
+    if abs(float(np.cross(row_dir, col_dir) @ lps[:3, 2])) < 1e-6 * sp_k:
+        raise DataError(f"the affine for {out_dir} puts the k axis inside the slice plane")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    old = [p for p in out_dir.iterdir() if p.is_file() and p.suffix.lower() == ".dcm"]
+    if old and not overwrite:
+        raise DataError(
+            f"{out_dir} already holds {len(old)} .dcm file(s); choose an empty folder or pass overwrite=True"
+        )
+    slope, intercept = _rescale(volume)
+    stored = np.clip(np.rint((volume.astype(np.float64) - intercept) / slope), _INT16_MIN, _INT16_MAX)
+    stored = stored.astype("<i2")
+    series_uid = series_uid or generate_uid()
+    ds = _series_header(modality, series_description, patient_id, study_uid, series_uid)
+    ds.ImageOrientationPatient = [_ds(v) for v in (*row_dir, *col_dir)]
+    ds.PixelSpacing = [_ds(sp_j), _ds(sp_i)]
+    # separation of consecutive slices along the slice normal
+    ds.SliceThickness = ds.SpacingBetweenSlices = _ds(abs(float(np.cross(row_dir, col_dir) @ lps[:3, 2])))
+    ds.Rows, ds.Columns = volume.shape[1], volume.shape[0]
+    ds.RescaleSlope, ds.RescaleIntercept = _ds(slope), _ds(intercept)
+
+    tmp_paths: list[Path] = []
+    final_paths: list[Path] = []
+    try:
+        for k in range(volume.shape[2]):  # one header, updated per slice
+            ds.SOPInstanceUID = ds.file_meta.MediaStorageSOPInstanceUID = generate_uid()
+            ds.InstanceNumber = k + 1
+            ds.ImagePositionPatient = [_ds(v) for v in (lps @ [0.0, 0.0, k, 1.0])[:3]]
+            ds.PixelData = np.ascontiguousarray(stored[:, :, k].T).tobytes()
+            final = out_dir / f"slice_{k:04d}.dcm"
+            tmp = out_dir / f".{final.name}.tmp"
+            ds.save_as(tmp, enforce_file_format=True)
+            tmp_paths.append(tmp)
+            final_paths.append(final)
+    except BaseException:
+        for tmp in tmp_paths:
+            tmp.unlink(missing_ok=True)
+        raise
+    for p in old:
+        if p not in final_paths:
+            p.unlink()
+    for tmp, final in zip(tmp_paths, final_paths, strict=True):
+        os.replace(tmp, final)
+    logger.info("wrote %d DICOM slices (series %s) to %s", len(final_paths), series_uid, out_dir)
+    return final_paths
+
+
+@dataclass
+class SeriesInfo:
+    """One image series found in a folder."""
+
+    uid: str
+    description: str
+    modality: str
+    n_files: int
+    files: list[Path] = field(default_factory=list)
+
+
+def _read(path: Path, *, headers_only: bool) -> Dataset | None:
+    """Read one file; None when it is not DICOM, DataError when it claims DICOM but is corrupt."""
+    try:
+        return pydicom.dcmread(path, stop_before_pixels=headers_only)
+    except InvalidDicomError:
+        return None
+    except Exception as e:  # pydicom raises many kinds on corrupt files
+        raise DataError(
+            f"{path} looks like DICOM but cannot be read ({e}); replace or remove the file"
+        ) from e
+
+
+def list_series(folder: str | Path) -> list[SeriesInfo]:
+    """List the image series under ``folder`` (recursively), reading headers only."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"{folder} is not a folder; give the folder that holds the DICOM series")
+    found: dict[str, SeriesInfo] = {}
+    # hidden names are skipped: they hold the temporary files of a write in progress
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        try:
+            with open(path, "rb") as f:
+                if f.read(132)[128:] != b"DICM":
+                    continue
+        except OSError as e:
+            raise DataError(f"{path} cannot be opened ({e}); check its permissions") from e
+        ds = _read(path, headers_only=True)
+        if ds is None:
+            continue
+        # pydicom stops quietly at the end of a truncated file: an image cut before its series UID is
+        # reported here; one cut later stays in its series and is reported when that series is read
+        sop = ds.file_meta.get("MediaStorageSOPClassUID", "")
+        is_image = "Rows" in ds or "Image Storage" in getattr(sop, "name", "")
+        if not sop or len(ds) == 0 or (is_image and "SeriesInstanceUID" not in ds and "Rows" not in ds):
+            raise DataError(
+                f"{path} has an incomplete DICOM header (truncated or malformed); replace or remove it"
+            )
+        if not is_image or "SeriesInstanceUID" not in ds:
+            log = logger.warning if is_image else logger.debug
+            log("skipping %s: %s", path, "no SeriesInstanceUID" if is_image else "not a DICOM image")
+            continue
+        uid = str(ds.SeriesInstanceUID)
+        info = found.setdefault(
+            uid, SeriesInfo(uid, str(ds.get("SeriesDescription", "")), str(ds.get("Modality", "")), 0)
+        )
+        info.files.append(path)
+        info.n_files += 1
+    return list(found.values())
+
+
+def _describe(series: list[SeriesInfo]) -> str:
+    return "\n".join(f"  {s.uid}  '{s.description}'  {s.modality}  {s.n_files} file(s)" for s in series)
+
+
+def _floats(ds: Dataset, path: Path, tag: str, n: int) -> np.ndarray:
+    if tag not in ds or ds[tag].value is None or len(ds[tag].value) != n:
+        raise DataError(f"{path} lacks the {tag} tag ({n} numbers); the slice geometry cannot be known")
+    return np.array([float(v) for v in ds[tag].value], dtype=np.float64)
+
+
+def _check_gaps(gaps: np.ndarray, pos: np.ndarray, tol: float, folder: Path) -> float:
+    """Return the median gap; raise DataError unless every gap is within tolerance of it."""
+    med = float(np.median(gaps))
+    bad = np.abs(gaps - med) > np.maximum(tol * med, 1e-3)
+    if not bad.any():
+        return med
+    n = np.rint(gaps / med)
+    missing = bad & (n >= 2) & (np.abs(gaps - n * med) <= np.maximum(tol * gaps, 1e-3))
+    if (bad == missing).all():
+        problem = ", ".join(
+            f"{int(n[g]) - 1} missing slice(s) between positions {pos[g]:.3f} and {pos[g + 1]:.3f} mm"
+            for g in np.flatnonzero(missing)
+        )
+        problem += f" (regular gap {med:.4g} mm)"
+    else:
+        problem = f"uneven slice spacing: gaps {np.round(gaps, 4).tolist()} mm"
+    raise DataError(
+        f"DICOM series in {folder}: {problem}. This reader will not silently average the spacing "
+        "(unlike MONAI's PydicomReader); pass resample=True (CLI --resample) to interpolate onto a "
+        "regular grid, or supply the complete series"
+    )
+
+
+def read_dicom_series(
+    folder: str | Path,
+    *,
+    series_uid: str | None = None,
+    resample: bool = False,
+    spacing_tolerance: float = 0.01,
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Read one series into (float32 volume indexed (i, j, k), RAS affine 4x4, meta dict)."""
+    folder = Path(folder)
+    series = list_series(folder)
+    if not series:
+        raise DataError(f"{folder} holds no DICOM files; point to the folder that holds the series")
+    if series_uid is None and len(series) > 1:
+        raise DataError(
+            f"{folder} holds {len(series)} DICOM series; choose one with --series UID "
+            f"(series_uid=...):\n{_describe(series)}"
+        )
+    chosen = series[0] if series_uid is None else next((s for s in series if s.uid == series_uid), None)
+    if chosen is None:
+        raise DataError(
+            f"{folder} holds no series with UID {series_uid}; the series there are:\n{_describe(series)}"
+        )
+
+    slices = []
+    for path in chosen.files:
+        ds = _read(path, headers_only=False)
+        if ds is None or any(tag not in ds for tag in ("Rows", "Columns", "PixelData")):
+            raise DataError(f"{path} holds no image size or pixel data (truncated?); replace or remove it")
+        if int(ds.get("NumberOfFrames", 1) or 1) > 1:
+            raise DataError(
+                f"{path} is a multi-frame DICOM file, which is not supported; export single frames"
+            )
+        iop = _floats(ds, path, "ImageOrientationPatient", 6)
+        ipp = _floats(ds, path, "ImagePositionPatient", 3)
+        ps = _floats(ds, path, "PixelSpacing", 2)
+        slices.append((path, ds, ipp, iop, ps))
+    path0, ds0, _, iop0, ps0 = slices[0]
+    for path, ds, _, iop, ps in slices[1:]:
+        if (ds.Rows, ds.Columns) != (ds0.Rows, ds0.Columns):
+            raise DataError(f"{path} is {ds.Rows}x{ds.Columns} but {path0} is {ds0.Rows}x{ds0.Columns}")
+        if not np.allclose(iop, iop0, atol=1e-4) or not np.allclose(ps, ps0, rtol=1e-4, atol=1e-6):
+            raise DataError(
+                f"{path} and {path0} differ in ImageOrientationPatient or PixelSpacing; "
+                "the series mixes geometries, split it before reading"
+            )
+    row_dir, col_dir = iop0[:3] / np.linalg.norm(iop0[:3]), iop0[3:] / np.linalg.norm(iop0[3:])
+    normal = np.cross(row_dir, col_dir)
+    slices.sort(key=lambda s: float(s[2] @ normal))
+    pos = np.array([float(s[2] @ normal) for s in slices])
+    ipps = np.array([s[2] for s in slices])
+
+    planes = []
+    for path, ds, *_ in slices:
+        try:
+            pixels = ds.pixel_array.astype(np.float32)
+        except Exception as e:  # decoders raise many kinds
+            raise DataError(
+                f"{path}: pixel data cannot be decoded ({e}); the file may be truncated, or its "
+                "transfer syntax needs an extra decoder (pylibjpeg, gdcm)"
+            ) from e
+        slope, intercept = float(ds.get("RescaleSlope", 1) or 1), float(ds.get("RescaleIntercept", 0) or 0)
+        planes.append((pixels * np.float32(slope) + np.float32(intercept)).T)
+    volume = np.stack(planes, axis=2).astype(np.float32)
+
+    resampled = False
+    if len(slices) == 1:
+        spacing = ds0.get("SliceThickness") or ds0.get("SpacingBetweenSlices")
+        if not spacing:
+            logger.warning("%s: single slice without SliceThickness; slice spacing set to 1.0 mm", path0)
+        spacing = float(spacing or 1.0)
+        step = normal * spacing
+    else:
+        gaps = np.diff(pos)
+        if np.any(gaps < 1e-3):
+            g = int(np.flatnonzero(gaps < 1e-3)[0])
+            raise DataError(
+                f"{slices[g][0]} and {slices[g + 1][0]} share the slice position {pos[g]:.3f} mm; the "
+                "folder mixes acquisitions (echoes, phases): split it by series or remove duplicates"
+            )
+        try:
+            spacing = _check_gaps(gaps, pos, spacing_tolerance, folder)
+        except DataError:
+            if not resample:
+                raise
+            n_out = int(round((pos[-1] - pos[0]) / float(np.median(gaps)))) + 1
+            grid = np.linspace(pos[0], pos[-1], n_out)
+            hi = np.clip(np.searchsorted(pos, grid, side="right"), 1, len(pos) - 1)
+            w = ((grid - pos[hi - 1]) / (pos[hi] - pos[hi - 1])).astype(np.float32)
+            volume = volume[:, :, hi - 1] * (1 - w) + volume[:, :, hi] * w
+            spacing, resampled = float(grid[1] - grid[0]), True
+            logger.warning(
+                "%s: uneven slice positions resampled linearly onto %d slices at %.4g mm",
+                folder,
+                n_out,
+                spacing,
+            )
+        step = (ipps[-1] - ipps[0]) / (volume.shape[2] - 1)
+        if np.linalg.norm(step - normal * spacing) < 1e-3:
+            step = normal * spacing
+        else:
+            logger.warning(
+                "%s: slice positions drift in-plane (gantry tilt); the affine keeps the shear", folder
+            )
+
+    lps = np.eye(4)
+    lps[:3, 0], lps[:3, 1], lps[:3, 2] = row_dir * ps0[1], col_dir * ps0[0], step
+    lps[:3, 3] = ipps[0]
+    affine = _FLIP @ lps
+    meta: dict[str, Any] = {
+        "spacing": [float(ps0[1]), float(ps0[0]), float(spacing)],
+        "modality": str(ds0.get("Modality", "")),
+        "series_uid": chosen.uid,
+        "series_description": chosen.description,
+        "n_slices": int(volume.shape[2]),
+        "n_files": len(slices),
+        "resampled": resampled,
+        "filename_or_obj": str(folder),
+    }
+    return np.ascontiguousarray(volume, dtype=np.float32), affine, meta
+
+
+@dataclass
+class _SeriesRead:
+    """What DicomSeriesReader.read found: the read series, or the DataError to raise in get_data."""
+
+    folder: str
+    volume: np.ndarray | None = None
+    affine: np.ndarray | None = None
+    meta: dict[str, Any] | None = None
+    error: DataError | None = None
+
+
+class DicomSeriesReader(ImageReader):
+    """MONAI reader for a DICOM series folder, with the checks of :func:`read_dicom_series`.
+
+    ``read`` keeps a DataError and ``get_data`` raises it: MONAI's LoadImage swallows errors from
+    ``read`` and falls back to its own readers, which would average uneven slice spacing silently.
+    """
+
+    def __init__(
+        self, series_uid: str | None = None, resample: bool = False, spacing_tolerance: float = 0.01
+    ):
+        super().__init__()
+        self.series_uid, self.resample, self.spacing_tolerance = series_uid, resample, spacing_tolerance
+
+    def verify_suffix(self, filename: Sequence[str | os.PathLike] | str | os.PathLike) -> bool:
+        """True for one existing directory (or a list/tuple holding exactly one)."""
+        if isinstance(filename, list | tuple):
+            return len(filename) == 1 and Path(filename[0]).is_dir()
+        return Path(filename).is_dir()
+
+    def read(self, data: Sequence[str | os.PathLike] | str | os.PathLike, **kwargs: Any) -> _SeriesRead:
+        """Read the series in one folder; kwargs may override series_uid, resample, spacing_tolerance."""
+        if isinstance(data, list | tuple):
+            if len(data) != 1:
+                raise DataError(f"DicomSeriesReader reads one folder at a time, got {list(data)}")
+            data = data[0]
+        result = _SeriesRead(str(data))
+        try:
+            result.volume, result.affine, result.meta = read_dicom_series(
+                data,
+                series_uid=kwargs.get("series_uid", self.series_uid),
+                resample=kwargs.get("resample", self.resample),
+                spacing_tolerance=kwargs.get("spacing_tolerance", self.spacing_tolerance),
+            )
+        except DataError as e:
+            result.error = e
+        return result
+
+    def get_data(self, img: _SeriesRead) -> tuple[np.ndarray, dict]:
+        """Return the (i, j, k) volume and a meta dict with MONAI's keys (affine in RAS, no channel)."""
+        if img.error is not None:
+            raise img.error
+        assert img.volume is not None and img.affine is not None and img.meta is not None
+        meta = dict(img.meta)
+        meta[MetaKeys.AFFINE] = img.affine.copy()
+        meta[MetaKeys.ORIGINAL_AFFINE] = img.affine.copy()
+        meta[MetaKeys.SPATIAL_SHAPE] = np.asarray(img.volume.shape)
+        meta[MetaKeys.SPACE] = SpaceKeys.RAS
+        meta[MetaKeys.ORIGINAL_CHANNEL_DIM] = float("nan")
+        meta["filename_or_obj"] = img.folder
+        return img.volume, meta
+
+
+def dicom_to_nifti(
+    dicom_dir: str | Path, out_path: str | Path, *, series_uid: str | None = None, resample: bool = False
+) -> Path:
+    """Convert one DICOM series to NIfTI (sform and qform = the RAS affine, code 1), written atomically."""
+    out_path = Path(out_path)
+    if not out_path.name.endswith((".nii", ".nii.gz")):
+        raise DataError(f"{out_path} must end with .nii or .nii.gz")
+    volume, affine, _ = read_dicom_series(dicom_dir, series_uid=series_uid, resample=resample)
+    img = nib.Nifti1Image(volume, affine)
+    img.set_sform(affine, code=1)
+    img.set_qform(affine, code=1)
+    img.header.set_xyzt_units("mm")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.parent / f".tmp-{out_path.name}"  # same suffix, so nibabel compresses .nii.gz
+    try:
+        nib.save(img, tmp)
+        os.replace(tmp, out_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    logger.info("converted DICOM series in %s to %s", dicom_dir, out_path)
+    return out_path

@@ -1,0 +1,176 @@
+"""Deterministic synthetic datasets with real-world geometry, for the demo and the tests.
+
+Segmentation (Medical Segmentation Decathlon layout): blobs from MONAI's ``create_test_image_3d``
+drawn on an isotropic 0.8 mm grid inside a body-shaped ellipse, then thinned along z by averaging
+``z_factor`` slices (the partial-volume effect of thick CT slices). The result is a CT-like int16
+volume in Hounsfield units (air -1000, soft tissue ~20, class 1 ~110, class 2 ~220, Gaussian noise)
+with 0.8 x 0.8 x 2.4 mm voxels stored in LPS orientation (the affine flips x and y), as CT converted
+from DICOM usually is.
+
+Classification: one object per volume, a ball (class 0) or a randomly rotated cube of the same
+volume and intensity (class 1). Mean intensity and object volume do not tell the classes apart; a
+3D CNN must look at the shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+from monai.data import create_test_image_3d
+from scipy.ndimage import gaussian_filter
+from tqdm import tqdm
+
+from medseg.datasets.decathlon import write_dataset_json
+from medseg.datasets.nifti import save_nifti
+
+log = logging.getLogger(__name__)
+
+SEG_LABELS = {"0": "background", "1": "organ", "2": "lesion"}
+CLS_LABELS = {"0": "sphere", "1": "cube"}
+_HU = {"air": -1000.0, "tissue": 20.0, 1: 110.0, 2: 220.0}
+
+
+def _lps_affine(spacing: tuple[float, float, float], shape: tuple[int, int, int]) -> np.ndarray:
+    """RAS affine of a volume stored in LPS order (i -> left, j -> posterior), centred near the origin."""
+    affine = np.diag([-spacing[0], -spacing[1], spacing[2], 1.0])
+    affine[:3, 3] = [spacing[0] * shape[0] / 2, spacing[1] * shape[1] / 2, -spacing[2] * shape[2] / 2]
+    return affine
+
+
+def _seg_case(
+    rs: np.random.RandomState, size: int, z_factor: int, noise: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """One CT-like volume and its label map (2 foreground classes, both present)."""
+    while True:
+        _, labels = create_test_image_3d(
+            size,
+            size,
+            size,
+            num_objs=6,
+            rad_max=size // 6,
+            rad_min=size // 14,
+            num_seg_classes=2,
+            random_state=rs,
+        )
+        x, y = np.ogrid[:size, :size]
+        c = (size - 1) / 2
+        body2d = ((x - c) / (0.48 * size)) ** 2 + ((y - c) / (0.42 * size)) ** 2 <= 1.0
+        labels = labels * body2d[:, :, None]
+        if {1, 2} <= set(np.unique(labels).tolist()):
+            break
+    image = np.full(labels.shape, _HU["air"], dtype=np.float32)
+    image[np.broadcast_to(body2d[:, :, None], labels.shape)] = _HU["tissue"]
+    for cls in (1, 2):
+        image[labels == cls] = _HU[cls]
+    image = gaussian_filter(image, sigma=0.8)
+    # Thick slices: average groups of z_factor thin slices; the label takes the middle one.
+    depth = size // z_factor
+    image = image[:, :, : depth * z_factor].reshape(size, size, depth, z_factor).mean(axis=3)
+    labels = labels[:, :, z_factor // 2 :: z_factor][:, :, :depth]
+    image += rs.normal(0.0, noise, image.shape)
+    return np.clip(np.round(image), -1024, 3071).astype(np.int16), labels.astype(np.uint8)
+
+
+def make_seg_dataset(
+    out_dir: str | Path,
+    n_train: int = 12,
+    n_test: int = 2,
+    seed: int = 0,
+    size: int = 96,
+    z_factor: int = 3,
+    noise: float = 20.0,
+) -> Path:
+    """Write a synthetic CT segmentation dataset in Decathlon layout and return its folder."""
+    out = Path(out_dir)
+    rs = np.random.RandomState(seed)
+    spacing = (0.8, 0.8, 0.8 * z_factor)
+    training, test = [], []
+    for i in tqdm(range(n_train + n_test), desc="synth-seg", unit="case", leave=False):
+        image, label = _seg_case(rs, size, z_factor, noise)
+        affine = _lps_affine(spacing, image.shape)
+        name = f"synth_{i:03d}.nii.gz"
+        if i < n_train:
+            save_nifti(image, affine, out / "imagesTr" / name)
+            save_nifti(label, affine, out / "labelsTr" / name)
+            training.append({"image": f"./imagesTr/{name}", "label": f"./labelsTr/{name}"})
+        else:
+            save_nifti(image, affine, out / "imagesTs" / name)
+            test.append(f"./imagesTs/{name}")
+    write_dataset_json(
+        out,
+        {
+            "name": "SynthCT",
+            "description": f"medseg synthetic CT, seed {seed}: 2 blob classes in a body, 0.8x0.8x{spacing[2]:.1f} mm, LPS",
+            "task": "segmentation",
+            "tensorImageSize": "3D",
+            "modality": {"0": "CT"},
+            "labels": SEG_LABELS,
+            "numTraining": len(training),
+            "numTest": len(test),
+            "training": training,
+            "test": test,
+        },
+    )
+    log.info("wrote %d training and %d test cases to %s", len(training), len(test), out)
+    return out
+
+
+def _cls_case(rs: np.random.RandomState, cls: int, size: int, noise: float) -> np.ndarray:
+    """A soft-tissue volume holding one ball (cls 0) or one rotated cube of equal volume (cls 1)."""
+    radius = rs.uniform(0.16, 0.24) * size
+    centre = rs.uniform(0.38, 0.62, size=3) * (size - 1)
+    grid = np.stack(np.meshgrid(*[np.arange(size)] * 3, indexing="ij"), axis=-1) - centre
+    if cls == 0:
+        inside = np.linalg.norm(grid, axis=-1) <= radius
+    else:
+        q, _ = np.linalg.qr(rs.normal(size=(3, 3)))  # random rotation
+        half = radius * (4 * np.pi / 3) ** (1 / 3) / 2
+        inside = np.abs(grid @ q).max(axis=-1) <= half
+    image = np.where(inside, 120.0, _HU["tissue"]).astype(np.float32)
+    image = gaussian_filter(image, sigma=0.7) + rs.normal(0.0, noise, image.shape)
+    return np.round(image).astype(np.int16)
+
+
+def make_cls_dataset(
+    out_dir: str | Path,
+    n_train: int = 60,
+    n_test: int = 4,
+    seed: int = 0,
+    size: int = 32,
+    noise: float = 30.0,
+) -> Path:
+    """Write a synthetic shape-classification dataset (dataset.json with integer labels)."""
+    out = Path(out_dir)
+    rs = np.random.RandomState(seed)
+    spacing = (1.0, 1.0, 1.0)
+    training, test = [], []
+    for i in tqdm(range(n_train + n_test), desc="synth-cls", unit="case", leave=False):
+        cls = i % 2
+        image = _cls_case(rs, cls, size, noise)
+        affine = _lps_affine(spacing, image.shape)
+        name = f"shape_{i:03d}.nii.gz"
+        if i < n_train:
+            save_nifti(image, affine, out / "imagesTr" / name)
+            training.append({"image": f"./imagesTr/{name}", "label": cls})
+        else:
+            save_nifti(image, affine, out / "imagesTs" / name)
+            test.append(f"./imagesTs/{name}")
+    write_dataset_json(
+        out,
+        {
+            "name": "SynthShapes",
+            "description": f"medseg synthetic shapes, seed {seed}: ball vs rotated cube of equal volume",
+            "task": "classification",
+            "tensorImageSize": "3D",
+            "modality": {"0": "CT"},
+            "labels": CLS_LABELS,
+            "numTraining": len(training),
+            "numTest": len(test),
+            "training": training,
+            "test": test,
+        },
+    )
+    log.info("wrote %d training and %d test cases to %s", len(training), len(test), out)
+    return out

@@ -1,0 +1,167 @@
+"""The ``medseg`` command line.
+
+Every subcommand calls one library function. A :class:`medseg.errors.MedsegError` is printed as
+``error: <message>`` without a traceback and exits with status 2 (as do usage errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from medseg.errors import MedsegError
+
+log = logging.getLogger("medseg")
+
+
+def _data_synth_seg(args: argparse.Namespace) -> None:
+    from medseg.datasets.synthetic import make_seg_dataset
+
+    out = make_seg_dataset(args.out, n_train=args.cases, n_test=args.test, seed=args.seed)
+    print(f"segmentation dataset: {out} ({args.cases} training, {args.test} test cases)")
+
+
+def _data_synth_cls(args: argparse.Namespace) -> None:
+    from medseg.datasets.synthetic import make_cls_dataset
+
+    out = make_cls_dataset(args.out, n_train=args.cases, n_test=args.test, seed=args.seed)
+    print(f"classification dataset: {out} ({args.cases} training, {args.test} test cases)")
+
+
+def _data_convert(args: argparse.Namespace) -> None:
+    from medseg.datasets.dicom import dicom_to_nifti
+
+    out = dicom_to_nifti(args.dicom_dir, args.output, series_uid=args.series, resample=args.resample)
+    print(f"wrote {out}")
+
+
+def _data_validate(args: argparse.Namespace) -> None:
+    from medseg.datasets.validate import validate_dataset
+
+    report = validate_dataset(args.dataset_dir)
+    print(report.format_table())
+    if not report.ok:
+        raise MedsegError(f"{args.dataset_dir}: {len(report.problems)} problem(s) found, listed above")
+
+
+def _train(args: argparse.Namespace) -> None:
+    from medseg.config import load_config
+    from medseg.train import train
+
+    cfg = load_config(args.config, args.overrides)
+    result = train(cfg, resume=args.resume, progress=not args.no_progress)
+    best = (
+        f"{result.best_metric:.4f} at epoch {result.best_epoch}" if result.best_metric is not None else "n/a"
+    )
+    print(
+        f"run {result.run_dir}: {result.epochs} epochs, best {result.key_metric} {best}; bundle in {result.run_dir / 'bundle'}"
+    )
+
+
+def _evaluate(args: argparse.Namespace) -> None:
+    from medseg.evaluate import evaluate, format_result
+
+    result = evaluate(args.run, args.data, progress=not args.no_progress)
+    print(f"{result['run']} on {result['data']}")
+    print(format_result(result))
+    print(f"summary: {json.dumps(result['summary'])}")
+    print(f"wrote {result['path']}")
+
+
+def _infer(args: argparse.Namespace) -> None:
+    from medseg.infer import infer_to_file
+
+    out = infer_to_file(args.run, args.input, args.output, series_uid=args.series, resample=args.resample)
+    print(f"wrote {out}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="medseg", description="MONAI 3D segmentation and classification: data, training, inference."
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    data = sub.add_parser("data", help="make, convert and check datasets").add_subparsers(
+        dest="data_command", required=True
+    )
+    for name, fn, cases, helptext in (
+        ("synth-seg", _data_synth_seg, 12, "synthetic CT segmentation dataset (Decathlon layout)"),
+        ("synth-cls", _data_synth_cls, 60, "synthetic shape classification dataset"),
+    ):
+        s = data.add_parser(name, help=helptext)
+        s.add_argument("--out", type=Path, required=True, help="dataset folder to write")
+        s.add_argument("--cases", type=int, default=cases, help="training cases")
+        s.add_argument("--test", type=int, default=2, help="unlabelled test cases")
+        s.add_argument("--seed", type=int, default=0)
+        s.set_defaults(func=fn)
+    s = data.add_parser("convert", help="DICOM series folder -> NIfTI, geometry preserved")
+    s.add_argument("dicom_dir", type=Path)
+    s.add_argument("output", type=Path)
+    s.add_argument("--series", help="SeriesInstanceUID to read when the folder holds several series")
+    s.add_argument(
+        "--resample", action="store_true", help="interpolate uneven slice spacing onto a regular grid"
+    )
+    s.set_defaults(func=_data_convert)
+    s = data.add_parser("validate", help="check every case of a dataset; exit 2 naming each problem")
+    s.add_argument("dataset_dir", type=Path)
+    s.set_defaults(func=_data_validate)
+
+    s = sub.add_parser("train", help="train a model from a YAML config")
+    s.add_argument("--config", type=Path, required=True)
+    s.add_argument(
+        "--resume", action="store_true", help="continue the run named by the config from its last checkpoint"
+    )
+    s.add_argument("--no-progress", action="store_true", help="no progress bars")
+    s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.epochs=5")
+    s.set_defaults(func=_train)
+
+    s = sub.add_parser("evaluate", help="score a trained run in original geometry")
+    s.add_argument("--run", type=Path, required=True, help="run folder (runs/NAME) or bundle folder")
+    s.add_argument(
+        "--data",
+        type=Path,
+        help="dataset folder to score every labelled case of (default: the run's validation split)",
+    )
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(func=_evaluate)
+
+    s = sub.add_parser("infer", help="run a trained model on a NIfTI file or DICOM series folder")
+    s.add_argument("--run", type=Path, required=True, help="run folder (runs/NAME) or bundle folder")
+    s.add_argument("--input", type=Path, required=True, help="NIfTI file or DICOM series folder")
+    s.add_argument(
+        "--output", type=Path, required=True, help="OUT.nii.gz (segmentation) or OUT.json (classification)"
+    )
+    s.add_argument("--series", help="SeriesInstanceUID when the folder holds several series")
+    s.add_argument(
+        "--resample", action="store_true", help="interpolate uneven DICOM slice spacing onto a regular grid"
+    )
+    s.set_defaults(func=_infer)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("monai", "matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        args.func(args)
+    except MedsegError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

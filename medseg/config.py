@@ -1,0 +1,246 @@
+"""Experiment configuration: a typed schema, YAML loading, `key=value` overrides, strict checking.
+
+A config is a tree of dataclasses. Every key a YAML file or an override names must exist in the
+schema; a wrong key or value raises :class:`ConfigError` naming the dotted key and what it allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from medseg.errors import ConfigError
+
+Task = Literal["segmentation", "classification"]
+SEG_NETS = ("unet", "segresnet", "dynunet", "swinunetr")
+CLS_NETS = ("densenet121", "resnet")
+
+
+@dataclass
+class DataConfig:
+    dir: str = "data/synth-seg"
+    val_fraction: float = 0.2
+    cache: Literal["none", "memory", "disk"] = "memory"
+    cache_dir: str = ""  # for cache=disk; default <run>/cache
+    num_workers: int = 0
+
+
+@dataclass
+class TransformConfig:
+    spacing: list[float] = field(default_factory=lambda: [1.5, 1.5, 2.5])  # mm, target voxel size
+    window: list[float] = field(default_factory=lambda: [-200.0, 300.0])  # intensity a_min, a_max -> [0, 1]
+    patch: list[int] = field(default_factory=lambda: [64, 64, 32])  # training patch / sliding window roi
+    num_samples: int = 2  # patches drawn per volume per epoch
+    pos: float = 1.0  # foreground-centred : background-centred patch ratio
+    neg: float = 1.0
+    crop_foreground: bool = True
+    augment: bool = True
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["unet", "segresnet", "dynunet", "swinunetr", "densenet121", "resnet"] = "unet"
+    channels: list[int] = field(default_factory=lambda: [16, 32, 64, 128])  # unet
+    strides: list[int] = field(default_factory=lambda: [2, 2, 2])  # unet
+    num_res_units: int = 2  # unet
+    init_filters: int = 16  # segresnet, densenet121 (init_features)
+    feature_size: int = 24  # swinunetr
+    depth: Literal[10, 18, 34, 50] = 18  # resnet
+    norm: Literal["instance", "batch", "group"] = "instance"
+    dropout: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    batch_size: int = 2
+    lr: float = 1e-3
+    weight_decay: float = 1e-5
+    optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    scheduler: Literal["cosine", "none"] = "cosine"
+    val_interval: int = 1
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    amp: bool = True  # mixed precision, used on CUDA only
+    sync: Literal["none"] = "none"
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+
+
+@dataclass
+class InferConfig:
+    sw_batch_size: int = 4
+    overlap: float = 0.25
+    mode: Literal["gaussian", "constant"] = "gaussian"
+
+
+@dataclass
+class Config:
+    name: str = "run"
+    task: Task = "segmentation"
+    runs_dir: str = "runs"
+    data: DataConfig = field(default_factory=DataConfig)
+    transforms: TransformConfig = field(default_factory=TransformConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    infer: InferConfig = field(default_factory=InferConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and return it in the annotated type."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(
+                f"{key}: {value!r} is not allowed; allowed values: {', '.join(map(str, allowed))}"
+            )
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"{key}: union types are not supported in the schema")  # pragma: no cover
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    if dataclasses.is_dataclass(tp):
+        return _from_dict(tp, value, key)
+    raise ConfigError(f"{key}: unsupported schema type {tp!r}")  # pragma: no cover
+
+
+def _from_dict(cls: type, data: Any, prefix: str = "") -> Any:
+    where = prefix or "config"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise ConfigError(f"{dotted}: unknown key; allowed keys here: {', '.join(names)}")
+        kwargs[key] = _coerce(value, hints[key], dotted)
+    return cls(**kwargs)
+
+
+def _check(cfg: Config) -> None:
+    """Cross-field rules the types alone cannot express."""
+    t, m = cfg.transforms, cfg.model
+    for key, vals in (("transforms.spacing", t.spacing), ("transforms.patch", t.patch)):
+        if len(vals) != 3 or any(v <= 0 for v in vals):
+            raise ConfigError(f"{key}: expected three positive numbers, got {vals}")
+    if len(t.window) != 2 or t.window[0] >= t.window[1]:
+        raise ConfigError(f"transforms.window: expected [low, high] with low < high, got {t.window}")
+    nets = SEG_NETS if cfg.task == "segmentation" else CLS_NETS
+    if m.name not in nets:
+        raise ConfigError(f"model.name: {m.name!r} is not a {cfg.task} network; allowed: {', '.join(nets)}")
+    if m.name == "unet" and len(m.strides) != len(m.channels) - 1:
+        raise ConfigError(
+            f"model.strides: needs len(model.channels) - 1 = {len(m.channels) - 1} entries, got {m.strides}"
+        )
+    if m.name == "swinunetr" and any(p % 32 for p in t.patch):
+        raise ConfigError(f"transforms.patch: swinunetr needs every side divisible by 32, got {t.patch}")
+    if not 0.0 <= cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction: expected a number in [0, 1), got {cfg.data.val_fraction}")
+    if not 0.0 <= cfg.infer.overlap < 1.0:
+        raise ConfigError(f"infer.overlap: expected a number in [0, 1), got {cfg.infer.overlap}")
+    for key in ("epochs", "batch_size", "val_interval"):
+        if getattr(cfg.train, key) < 1:
+            raise ConfigError(f"train.{key}: must be at least 1")
+    if cfg.train.lr <= 0:
+        raise ConfigError("train.lr: must be positive")
+    if not cfg.name or "/" in cfg.name or cfg.name.startswith("."):
+        raise ConfigError(f"name: {cfg.name!r} is not a usable run folder name")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b=value`` overrides to a raw config mapping; values are parsed as YAML scalars/lists."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.epochs=5")
+        dotted, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({exc})") from None
+        node = data
+        parts = dotted.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[parts[-1]] = value
+    return data
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    cfg = _from_dict(Config, data)
+    _check(cfg)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply overrides, check every key and value."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found; the shipped ones are in configs/")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    try:
+        return config_from_dict(apply_overrides(data, overrides or []))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML (temporary name, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    tmp.replace(path)
+
+
+def diff_configs(a: Config, b: Config, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two configs."""
+    da, db = a.to_dict(), b.to_dict()
+
+    def walk(x: Any, y: Any, key: str) -> list[str]:
+        if isinstance(x, dict) and isinstance(y, dict):
+            return [d for k in x for d in walk(x[k], y.get(k), f"{key}.{k}" if key else k)]
+        return [] if x == y else [key]
+
+    return walk(da, db, prefix)

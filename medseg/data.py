@@ -1,0 +1,113 @@
+"""Datasets and loaders for training: the Decathlon datalist, split, cached by MONAI.
+
+Deterministic transforms are cached once (in memory with ``CacheDataset`` or on disk with
+``PersistentDataset``, which keeps the affine only because the chain ends in ``EnsureTyped(...,
+track_meta=True)``); random transforms run anew each epoch. Each epoch's random draws (shuffling,
+patch positions, augmentation) are seeded from ``(seed, epoch)``, so an epoch is a function of the
+weights it starts from and a resumed run repeats an uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from monai import transforms as mt
+from monai.data import CacheDataset, DataLoader, Dataset, PersistentDataset
+
+from medseg import transforms as tf
+from medseg.config import Config
+from medseg.datasets.decathlon import DatasetInfo, load_dataset, split_train_val
+from medseg.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainData:
+    info: DatasetInfo
+    train_items: list[dict]
+    val_items: list[dict]
+    train_chain: mt.Compose
+    train_loader: DataLoader
+    val_loader: DataLoader | None
+
+
+def _dataset(cfg: Config, items: list[dict], chain: mt.Compose, tag: str) -> Dataset:
+    if cfg.data.cache == "memory":
+        return CacheDataset(
+            items, chain, cache_rate=1.0, num_workers=max(cfg.data.num_workers, 1), progress=False
+        )
+    if cfg.data.cache == "disk":
+        cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else cfg.run_dir / "cache"
+        return PersistentDataset(items, chain, cache_dir=cache_dir / tag)
+    return Dataset(items, chain)
+
+
+def _build(cfg: Config, items: list[dict], chain: mt.Compose, tag: str, root: Path) -> Dataset:
+    """Build (and, when cached, load) a dataset; a case that fails to load is a DataError."""
+    missing = [
+        it[k]
+        for it in items
+        for k in ("image", "label")
+        if isinstance(it.get(k), str) and not Path(it[k]).exists()
+    ]
+    if missing:
+        raise DataError(
+            f"{missing[0]}: file not found ({len(missing)} missing in all); run `medseg data validate {root}`"
+        )
+    try:
+        ds = _dataset(cfg, items, chain, tag)
+        if cfg.data.cache == "disk":
+            for i in range(len(ds)):  # fills the disk cache now, so load errors surface before training
+                ds._cachecheck(items[i])
+        return ds
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - MONAI wraps loader errors in RuntimeError
+        root_exc: BaseException = exc
+        while root_exc.__cause__ is not None:
+            root_exc = root_exc.__cause__
+        first_line = (str(root_exc).splitlines() or [""])[0]
+        raise DataError(
+            f"{root}: a {tag} case could not be loaded ({type(root_exc).__name__}: {first_line}); "
+            f"run `medseg data validate {root}` to find it"
+        ) from exc
+
+
+def make_train_data(cfg: Config) -> TrainData:
+    """Read the dataset named by ``cfg.data.dir``, split it, and build cached datasets and loaders."""
+    info = load_dataset(cfg.data.dir)
+    if info.task != cfg.task:
+        raise ConfigError(f"task: config says {cfg.task!r} but {info.json_path} holds a {info.task} dataset")
+    if len(info.training) < 2:
+        raise DataError(f"{info.json_path}: needs at least 2 training cases, found {len(info.training)}")
+    train_items, val_items = split_train_val(info.training, cfg.data.val_fraction, cfg.train.seed)
+    if cfg.task == "segmentation":
+        train_chain, val_chain = tf.seg_train(cfg), tf.seg_val(cfg)
+    else:
+        train_chain, val_chain = tf.cls_train(cfg), tf.cls_val(cfg)
+    log.info("%s: %d training and %d validation cases", info.name, len(train_items), len(val_items))
+    train_ds = _build(cfg, train_items, train_chain, "train", info.root)
+    val_ds = _build(cfg, val_items, val_chain, "val", info.root) if val_items else None
+    train_loader = DataLoader(
+        train_ds,
+        batch_size=cfg.train.batch_size,
+        shuffle=True,
+        num_workers=cfg.data.num_workers,
+        generator=torch.Generator(),
+    )
+    val_loader = (
+        DataLoader(val_ds, batch_size=1, num_workers=cfg.data.num_workers) if val_ds is not None else None
+    )
+    return TrainData(info, train_items, val_items, train_chain, train_loader, val_loader)
+
+
+def seed_epoch(data: TrainData, seed: int, epoch: int) -> None:
+    """Seed every random draw of ``epoch``: torch (dropout), the shuffle, and MONAI's random transforms."""
+    epoch_seed = (seed * 100_003 + epoch) % (2**31)
+    torch.manual_seed(epoch_seed)
+    data.train_loader.generator.manual_seed(epoch_seed)
+    data.train_chain.set_random_state(seed=epoch_seed)

@@ -1,0 +1,164 @@
+"""Inference: the one function the CLI, the evaluation and the viewer call.
+
+``load_image`` reads a NIfTI file or a DICOM series folder into a channel-first MetaTensor in its
+own geometry. ``predict`` runs a bundle on it: preprocess (orient RAS, resample, window),
+sliding-window inference with Gaussian blending, softmax, then ``Invertd`` maps the class
+probabilities back through the preprocessing onto the input's grid, where they are argmax-ed.
+The label map therefore has the input's shape and affine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from monai.data import MetaTensor
+from monai.inferers import sliding_window_inference
+from monai.transforms import Invertd
+
+from medseg import transforms as tf
+from medseg.bundle import Bundle, load_bundle
+from medseg.datasets.nifti import save_nifti
+from medseg.errors import DataError
+
+log = logging.getLogger(__name__)
+NIFTI_SUFFIXES = (".nii", ".nii.gz")
+
+
+@dataclass
+class Prediction:
+    label: MetaTensor | None  # (1, I, J, K) uint8 on the input's grid, segmentation only
+    probabilities: dict[str, float] | None  # class name -> probability, classification only
+
+
+def load_image(source: str | Path, series_uid: str | None = None, resample: bool = False) -> MetaTensor:
+    """Read a NIfTI file or a DICOM series folder as a (C, I, J, K) MetaTensor with its RAS affine."""
+    source = Path(source)
+    if not source.exists():
+        raise DataError(f"{source}: not found; give a NIfTI file (.nii, .nii.gz) or a DICOM series folder")
+    if source.is_file() and not source.name.endswith(NIFTI_SUFFIXES):
+        raise DataError(
+            f"{source}: not a NIfTI file (.nii, .nii.gz); for DICOM give the folder that holds the series"
+        )
+    image = tf.apply(tf.loader(["image"], series_uid=series_uid, resample=resample), {"image": str(source)})[
+        "image"
+    ]
+    if image.ndim != 4:
+        raise DataError(f"{source}: expected a 3D volume, got an image of shape {tuple(image.shape[1:])}")
+    if not torch.isfinite(image).all():
+        raise DataError(f"{source}: the image holds NaN or infinite values; fix or exclude it")
+    return image
+
+
+def _check_input(bundle: Bundle, image: MetaTensor) -> None:
+    want = bundle.metadata["network_data_format"]["inputs"]["image"]["num_channels"]
+    if image.shape[0] != want:
+        raise DataError(
+            f"{image.meta.get('filename_or_obj', 'input')}: has {image.shape[0]} channels, model {bundle.name} takes {want}"
+        )
+    if min(image.shape[1:]) < 2:
+        raise DataError(
+            f"{image.meta.get('filename_or_obj', 'input')}: a 3D volume is needed, got shape {tuple(image.shape[1:])}"
+        )
+
+
+@torch.no_grad()
+def predict(
+    bundle: Bundle,
+    image: MetaTensor,
+    device: str | torch.device | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> Prediction:
+    """Run ``bundle`` on a loaded image; see the module docstring for the steps."""
+    _check_input(bundle, image)
+    cfg = bundle.config
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = bundle.model.to(device)
+    pre = tf.preprocess(cfg)
+    data = pre({"image": image})
+    x = data["image"][None].to(device)
+    if cfg.task == "classification":
+        probs = torch.softmax(model(x.as_tensor()).float(), 1)[0].cpu()
+        if progress:
+            progress(1.0)
+        return Prediction(None, {bundle.labels[i]: float(p) for i, p in enumerate(probs)})
+
+    def forward(patch: torch.Tensor) -> torch.Tensor:
+        return model(patch.as_tensor() if isinstance(patch, MetaTensor) else patch)
+
+    inf = cfg.infer
+    use_amp = device.type == "cuda" and cfg.train.amp
+    with torch.autocast(device.type, enabled=use_amp):
+        logits = sliding_window_inference(
+            x,
+            cfg.transforms.patch,
+            inf.sw_batch_size,
+            forward,
+            overlap=inf.overlap,
+            mode=inf.mode,
+            progress=False,
+            sw_device=device,
+            device="cpu",
+        )
+    if progress:
+        progress(0.8)
+    probs = torch.softmax(logits.float(), 1)[0]
+    data["pred"] = MetaTensor(
+        probs, meta=data["image"].meta, applied_operations=data["image"].applied_operations
+    )
+    back = Invertd("pred", transform=pre, orig_keys="image", nearest_interp=False)(data)["pred"]
+    label = back.argmax(0, keepdim=True).to(torch.uint8)
+    label = MetaTensor(label.as_tensor(), affine=image.affine, meta=dict(image.meta))
+    if tuple(label.shape[1:]) != tuple(image.shape[1:]):  # pragma: no cover - Invertd guarantees this
+        raise RuntimeError(
+            f"inverted prediction has shape {tuple(label.shape)} but the input has {tuple(image.shape)}"
+        )
+    if progress:
+        progress(1.0)
+    return Prediction(label, None)
+
+
+def label_volumes(label: MetaTensor, labels: dict[int, str]) -> list[dict[str, float | int | str]]:
+    """Voxel count and volume in mL of each foreground label (voxel volume from the affine)."""
+    voxel_ml = float(abs(np.linalg.det(np.asarray(label.affine)[:3, :3]))) / 1000.0
+    counts = torch.bincount(label.flatten().long(), minlength=max(labels) + 1).tolist()
+    return [
+        {"label": name, "voxels": counts[k], "ml": counts[k] * voxel_ml}
+        for k, name in sorted(labels.items())
+        if k != 0
+    ]
+
+
+def infer_to_file(
+    run: str | Path,
+    source: str | Path,
+    output: str | Path,
+    series_uid: str | None = None,
+    resample: bool = False,
+) -> Path:
+    """``medseg infer``: a NIfTI label map (segmentation) or a JSON of class probabilities (classification)."""
+    bundle, output = load_bundle(run), Path(output)
+    if bundle.task == "classification" and output.suffix != ".json":
+        raise DataError(
+            f"{output}: a classification model writes class probabilities; name the output *.json"
+        )
+    if bundle.task == "segmentation" and not output.name.endswith(NIFTI_SUFFIXES):
+        raise DataError(f"{output}: the output must be a NIfTI file name (.nii or .nii.gz)")
+    image = load_image(source, series_uid=series_uid, resample=resample)
+    result = predict(bundle, image)
+    if bundle.task == "classification":
+        tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+        tmp.write_text(
+            json.dumps({"input": str(source), "probabilities": result.probabilities}, indent=2) + "\n"
+        )
+        os.replace(tmp, output)
+        return output
+    assert result.label is not None
+    save_nifti(result.label[0].numpy(), np.asarray(image.affine, dtype=np.float64), output)
+    return output

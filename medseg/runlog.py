@@ -1,0 +1,50 @@
+"""A run folder's record of progress: ``metrics.jsonl`` (one JSON object per epoch) and its plot."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_metrics(path: str | Path, records: list[dict[str, Any]]) -> None:
+    """Rewrite the whole file under a temporary name, then rename: never a torn last line."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def plot_learning_curve(records: list[dict[str, Any]], key_metric: str, path: str | Path) -> None:
+    """Training loss and the key validation metric against epoch, as a PNG."""
+    path = Path(path)
+    epochs = [r["epoch"] for r in records]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(epochs, [r["train_loss"] for r in records], "o-", color="tab:blue", label="train loss")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("train loss", color="tab:blue")
+    val = [(r["epoch"], r[key_metric]) for r in records if r.get(key_metric) is not None]
+    if val:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*val), "s-", color="tab:orange", label=key_metric)
+        ax2.set_ylabel(key_metric, color="tab:orange")
+        ax2.set_ylim(0, 1)
+    ax.set_title(path.parent.name)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)

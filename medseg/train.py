@@ -1,0 +1,211 @@
+"""The training loop: one function for every task, network and (later) synchronisation mode.
+
+A run lives in ``<runs_dir>/<name>/``: ``config.yaml`` (resolved), ``checkpoints/last.pt`` and
+``best.pt``, ``metrics.jsonl``, ``learning_curve.png``, ``train.log`` and, at the end, ``bundle/``.
+The loop asks :mod:`medseg.distributed` for its optimizer and does not know how it synchronises.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from medseg.bundle import export_bundle
+from medseg.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from medseg.config import Config, config_from_dict, diff_configs, save_config
+from medseg.data import make_train_data, seed_epoch
+from medseg.distributed import wrap_optimizer
+from medseg.errors import ConfigError, RunError
+from medseg.models import build_network, network_def
+from medseg.runlog import plot_learning_curve, read_metrics, write_metrics
+from medseg.tasks import make_task
+
+log = logging.getLogger(__name__)
+
+# Keys that may change when a run is resumed; anything else must match the saved config.
+RESUMABLE_CHANGES = {"train.epochs", "train.device", "train.threads", "data.num_workers"}
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    epochs: int
+    best_metric: float | None
+    best_epoch: int | None
+    key_metric: str
+    last_record: dict[str, Any]
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device: cuda was asked for but torch sees no CUDA device; use auto or cpu")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
+def _optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    t = cfg.train
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(
+            model.parameters(), lr=t.lr, momentum=0.9, weight_decay=t.weight_decay, nesterov=True
+        )
+    cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
+    return cls(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+
+
+def _attach_log_file(run_dir: Path) -> logging.Handler:
+    handler = logging.FileHandler(run_dir / "train.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("medseg").addHandler(handler)
+    return handler
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """Drop MetaTensor bookkeeping for the network's forward and backward (it costs time, not accuracy)."""
+    return x.as_tensor() if hasattr(x, "as_tensor") else x
+
+
+def _check_resume(cfg: Config, state: dict[str, Any], last: Path) -> None:
+    saved = config_from_dict(state["config"])
+    changed = sorted(set(diff_configs(saved, cfg)) - RESUMABLE_CHANGES)
+    if changed:
+        raise ConfigError(
+            f"{last}: cannot resume with a different config; changed keys: {', '.join(changed)} "
+            f"(only {', '.join(sorted(RESUMABLE_CHANGES))} may change)"
+        )
+    if state["epoch"] >= cfg.train.epochs:
+        raise RunError(
+            f"{last}: the run already finished {state['epoch']} epochs; raise train.epochs to train on"
+        )
+
+
+def train(cfg: Config, resume: bool = False, progress: bool = True) -> TrainResult:
+    """Train ``cfg`` from scratch, or continue the run in ``cfg.run_dir`` when ``resume`` is true."""
+    run_dir, ckpt_dir = cfg.run_dir, cfg.run_dir / "checkpoints"
+    last_path, best_path, metrics_path = ckpt_dir / "last.pt", ckpt_dir / "best.pt", run_dir / "metrics.jsonl"
+    state: dict[str, Any] | None = None
+    if resume:
+        if not last_path.is_file():
+            raise RunError(
+                f"{run_dir}: nothing to resume (no checkpoints/last.pt); train without --resume first"
+            )
+        state = load_checkpoint(last_path)
+        _check_resume(cfg, state, last_path)
+    elif last_path.exists():
+        raise RunError(
+            f"{run_dir}: already holds a run; pass --resume to continue it, or name=<new name> to start another"
+        )
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = _attach_log_file(run_dir)
+    try:
+        return _train(cfg, state, progress, last_path, best_path, metrics_path)
+    finally:
+        logging.getLogger("medseg").removeHandler(handler)
+        handler.close()
+
+
+def _train(
+    cfg: Config, state: dict | None, progress: bool, last_path: Path, best_path: Path, metrics_path: Path
+) -> TrainResult:
+    t = cfg.train
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    device = pick_device(t.device)
+    data = make_train_data(cfg)
+    labels = data.info.labels
+    task = make_task(cfg, labels)
+    model = build_network(network_def(cfg, out_channels=len(labels))).to(device)
+    optimizer = wrap_optimizer(_optimizer(cfg, model), model, t.sync)
+    scheduler = (
+        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=t.epochs)
+        if t.scheduler == "cosine"
+        else None
+    )
+    use_amp = t.amp and device.type == "cuda"
+    scaler = torch.amp.GradScaler("cuda", enabled=use_amp)
+
+    start, best, best_epoch = 1, -math.inf, None
+    records = read_metrics(metrics_path)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state.get("scheduler"):
+            scheduler.load_state_dict(state["scheduler"])
+            scheduler.T_max = t.epochs
+        set_rng_state(state["rng"])
+        start, best_epoch = state["epoch"] + 1, state.get("best_epoch")
+        best = state["best_metric"] if state.get("best_metric") is not None else -math.inf
+        records = [r for r in records if r["epoch"] <= state["epoch"]]  # drop epochs after the checkpoint
+        log.info("resuming %s at epoch %d of %d", cfg.run_dir, start, t.epochs)
+    else:
+        records = []
+    save_config(cfg, cfg.run_dir / "config.yaml")
+
+    for epoch in range(start, t.epochs + 1):
+        seed_epoch(data, t.seed, epoch)
+        model.train()
+        tic, losses = time.perf_counter(), []
+        bar = tqdm(
+            data.train_loader, desc=f"{cfg.name} epoch {epoch}/{t.epochs}", leave=False, disable=not progress
+        )
+        for batch in bar:
+            inputs, targets = _plain(batch["image"].to(device)), _plain(task.targets(batch, device))
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, enabled=use_amp):
+                loss = task.loss(model(inputs), targets)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        if scheduler is not None:
+            scheduler.step()
+        record: dict[str, Any] = {
+            "epoch": epoch,
+            "train_loss": sum(losses) / len(losses),
+            "lr": optimizer.param_groups[0]["lr"],
+            "epoch_s": round(time.perf_counter() - tic, 3),
+        }
+        if data.val_loader is not None and (epoch % t.val_interval == 0 or epoch == t.epochs):
+            model.eval()
+            record.update(task.validate(model, data.val_loader, device))
+        metric = record.get(task.key_metric)
+        is_best = metric is not None and metric > best
+        if is_best:
+            best, best_epoch = metric, epoch
+        payload = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "epoch": epoch,
+            "best_metric": None if best == -math.inf else best,
+            "best_epoch": best_epoch,
+            "rng": rng_state(),
+            "config": cfg.to_dict(),
+            "labels": {str(k): v for k, v in labels.items()},
+        }
+        save_checkpoint(payload, last_path)
+        if is_best or data.val_loader is None:
+            save_checkpoint(payload, best_path)
+        records.append(record)
+        write_metrics(metrics_path, records)
+        plot_learning_curve(records, task.key_metric, cfg.run_dir / "learning_curve.png")
+        shown = " ".join(f"{k}={v:.4f}" for k, v in record.items() if isinstance(v, float) and k != "epoch_s")
+        log.info("epoch %d/%d %s (%.1fs)", epoch, t.epochs, shown, record["epoch_s"])
+
+    best_state = load_checkpoint(best_path)
+    best_record = next((r for r in records if r["epoch"] == best_state["epoch"]), {})
+    export_bundle(cfg, best_state, metrics={k: v for k, v in best_record.items() if k.startswith("val_")})
+    final = records[-1] if records else {}
+    return TrainResult(
+        cfg.run_dir, t.epochs, None if best == -math.inf else best, best_epoch, task.key_metric, final
+    )
