@@ -75,7 +75,7 @@ def _seg_case(
 
 def make_seg_dataset(
     out_dir: str | Path,
-    n_train: int = 12,
+    n_train: int = 16,
     n_test: int = 2,
     seed: int = 0,
     size: int = 96,
@@ -119,8 +119,8 @@ def make_seg_dataset(
 
 def _cls_case(rs: np.random.RandomState, cls: int, size: int, noise: float) -> np.ndarray:
     """A soft-tissue volume holding one ball (cls 0) or one rotated cube of equal volume (cls 1)."""
-    radius = rs.uniform(0.16, 0.24) * size
-    centre = rs.uniform(0.38, 0.62, size=3) * (size - 1)
+    radius = rs.uniform(0.22, 0.32) * size
+    centre = rs.uniform(0.42, 0.58, size=3) * (size - 1)
     grid = np.stack(np.meshgrid(*[np.arange(size)] * 3, indexing="ij"), axis=-1) - centre
     if cls == 0:
         inside = np.linalg.norm(grid, axis=-1) <= radius
@@ -135,11 +135,11 @@ def _cls_case(rs: np.random.RandomState, cls: int, size: int, noise: float) -> n
 
 def make_cls_dataset(
     out_dir: str | Path,
-    n_train: int = 60,
-    n_test: int = 4,
+    n_train: int = 160,
+    n_test: int = 2,
     seed: int = 0,
     size: int = 32,
-    noise: float = 30.0,
+    noise: float = 20.0,
 ) -> Path:
     """Write a synthetic shape-classification dataset (dataset.json with integer labels)."""
     out = Path(out_dir)

@@ -38,6 +38,17 @@ def _data_convert(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def _data_to_dicom(args: argparse.Namespace) -> None:
+    from medseg.datasets.dicom import write_dicom_series
+    from medseg.infer import load_image
+
+    image = load_image(args.nifti)
+    if image.shape[0] != 1:
+        raise MedsegError(f"{args.nifti}: has {image.shape[0]} channels; a DICOM series holds one")
+    files = write_dicom_series(image[0].numpy(), image.affine.numpy(), args.out_dir, series_description=args.description, overwrite=args.overwrite)
+    print(f"wrote {len(files)} slices to {args.out_dir}")
+
+
 def _data_validate(args: argparse.Namespace) -> None:
     from medseg.datasets.validate import validate_dataset
 
@@ -89,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="data_command", required=True
     )
     for name, fn, cases, helptext in (
-        ("synth-seg", _data_synth_seg, 12, "synthetic CT segmentation dataset (Decathlon layout)"),
-        ("synth-cls", _data_synth_cls, 60, "synthetic shape classification dataset"),
+        ("synth-seg", _data_synth_seg, 16, "synthetic CT segmentation dataset (Decathlon layout)"),
+        ("synth-cls", _data_synth_cls, 160, "synthetic shape classification dataset"),
     ):
         s = data.add_parser(name, help=helptext)
         s.add_argument("--out", type=Path, required=True, help="dataset folder to write")
@@ -106,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--resample", action="store_true", help="interpolate uneven slice spacing onto a regular grid"
     )
     s.set_defaults(func=_data_convert)
+    s = data.add_parser("to-dicom", help="NIfTI volume -> CT DICOM series folder (one file per slice)")
+    s.add_argument("nifti", type=Path)
+    s.add_argument("out_dir", type=Path)
+    s.add_argument("--description", default="medseg", help="SeriesDescription")
+    s.add_argument("--overwrite", action="store_true", help="replace a series already in out_dir")
+    s.set_defaults(func=_data_to_dicom)
     s = data.add_parser("validate", help="check every case of a dataset; exit 2 naming each problem")
     s.add_argument("dataset_dir", type=Path)
     s.set_defaults(func=_data_validate)

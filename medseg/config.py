@@ -52,6 +52,7 @@ class ModelConfig:
     init_filters: int = 16  # segresnet, densenet121 (init_features)
     feature_size: int = 24  # swinunetr
     depth: Literal[10, 18, 34, 50] = 18  # resnet
+    width: float = 1.0  # resnet channel multiplier (widen_factor)
     norm: Literal["instance", "batch", "group"] = "instance"
     dropout: float = 0.0
 

@@ -109,6 +109,8 @@ def network_def(cfg: Config, out_channels: int, in_channels: int = 1) -> dict[st
             "spatial_dims": 3,
             "n_input_channels": in_channels,
             "num_classes": out_channels,
+            "widen_factor": m.width,
+            "conv1_t_size": 3,  # a 7^3 stem costs more than the rest of a small 3D ResNet
             "norm": norm,
         }
     raise ConfigError(f"model.name: unknown network {m.name!r}")  # pragma: no cover - schema forbids it

@@ -87,8 +87,12 @@ def _check_resume(cfg: Config, state: dict[str, Any], last: Path) -> None:
         )
 
 
-def train(cfg: Config, resume: bool = False, progress: bool = True) -> TrainResult:
-    """Train ``cfg`` from scratch, or continue the run in ``cfg.run_dir`` when ``resume`` is true."""
+def train(cfg: Config, resume: bool = False, progress: bool = True, until_epoch: int | None = None) -> TrainResult:
+    """Train ``cfg`` from scratch, or continue the run in ``cfg.run_dir`` when ``resume`` is true.
+
+    ``until_epoch`` stops after that epoch as an interruption would (checkpoint written, no bundle),
+    so a run can be trained in slices; ``resume`` picks it up.
+    """
     run_dir, ckpt_dir = cfg.run_dir, cfg.run_dir / "checkpoints"
     last_path, best_path, metrics_path = ckpt_dir / "last.pt", ckpt_dir / "best.pt", run_dir / "metrics.jsonl"
     state: dict[str, Any] | None = None
@@ -107,14 +111,14 @@ def train(cfg: Config, resume: bool = False, progress: bool = True) -> TrainResu
     run_dir.mkdir(parents=True, exist_ok=True)
     handler = _attach_log_file(run_dir)
     try:
-        return _train(cfg, state, progress, last_path, best_path, metrics_path)
+        return _train(cfg, state, progress, until_epoch or cfg.train.epochs, last_path, best_path, metrics_path)
     finally:
         logging.getLogger("medseg").removeHandler(handler)
         handler.close()
 
 
 def _train(
-    cfg: Config, state: dict | None, progress: bool, last_path: Path, best_path: Path, metrics_path: Path
+    cfg: Config, state: dict | None, progress: bool, stop: int, last_path: Path, best_path: Path, metrics_path: Path
 ) -> TrainResult:
     t = cfg.train
     if t.threads:
@@ -123,6 +127,7 @@ def _train(
     data = make_train_data(cfg)
     labels = data.info.labels
     task = make_task(cfg, labels)
+    torch.manual_seed(t.seed)  # weight initialisation; each epoch reseeds its own draws
     model = build_network(network_def(cfg, out_channels=len(labels))).to(device)
     optimizer = wrap_optimizer(_optimizer(cfg, model), model, t.sync)
     scheduler = (
@@ -150,7 +155,7 @@ def _train(
         records = []
     save_config(cfg, cfg.run_dir / "config.yaml")
 
-    for epoch in range(start, t.epochs + 1):
+    for epoch in range(start, min(stop, t.epochs) + 1):
         seed_epoch(data, t.seed, epoch)
         model.train()
         tic, losses = time.perf_counter(), []
@@ -202,6 +207,9 @@ def _train(
         shown = " ".join(f"{k}={v:.4f}" for k, v in record.items() if isinstance(v, float) and k != "epoch_s")
         log.info("epoch %d/%d %s (%.1fs)", epoch, t.epochs, shown, record["epoch_s"])
 
+    if stop < t.epochs:
+        log.info("stopped after epoch %d of %d; continue with --resume", stop, t.epochs)
+        return TrainResult(cfg.run_dir, stop, None if best == -math.inf else best, best_epoch, task.key_metric, records[-1])
     best_state = load_checkpoint(best_path)
     best_record = next((r for r in records if r["epoch"] == best_state["epoch"]), {})
     export_bundle(cfg, best_state, metrics={k: v for k, v in best_record.items() if k.startswith("val_")})

@@ -1,0 +1,43 @@
+# medseg: `make demo` and `make test` each do every setup step first.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+MEDSEG := $(BIN)/medseg
+# The CPU build on this machine's disk; a CUDA machine can pass e.g. TORCH="torch==2.13.0 --index-url ...".
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.medseg-setup
+
+.PHONY: setup demo test lint clean-demo
+
+setup: $(STAMP)
+
+# Re-runs only when pyproject.toml changes; a second `make setup` takes seconds.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+	# Keep an installed torch; otherwise install the pinned one before anything can pull a CUDA build.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q --no-build-isolation -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	rm -rf runs/demo-seg runs/demo-cls
+	$(MEDSEG) data synth-seg --out data/synth-seg --cases 16 --test 2
+	$(MEDSEG) data synth-seg --out data/synth-seg-holdout --cases 6 --test 0 --seed 1
+	$(MEDSEG) data validate data/synth-seg
+	$(MEDSEG) train --config configs/demo-seg.yaml
+	$(MEDSEG) evaluate --run runs/demo-seg --data data/synth-seg-holdout
+	$(MEDSEG) data to-dicom data/synth-seg/imagesTs/synth_016.nii.gz data/dicom-demo --overwrite
+	$(MEDSEG) infer --run runs/demo-seg --input data/dicom-demo --output runs/demo-seg/dicom-demo-mask.nii.gz
+	$(MEDSEG) data convert data/dicom-demo runs/demo-seg/dicom-demo.nii.gz
+	$(MEDSEG) data synth-cls --out data/synth-cls --cases 160 --test 2
+	$(MEDSEG) data synth-cls --out data/synth-cls-holdout --cases 40 --test 0 --seed 1
+	$(MEDSEG) train --config configs/demo-cls.yaml
+	$(MEDSEG) evaluate --run runs/demo-cls --data data/synth-cls-holdout
+	$(BIN)/python scripts/demo_report.py
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny synthetic datasets and one tiny trained run per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from medseg.config import Config, config_from_dict
+from medseg.datasets.synthetic import make_cls_dataset, make_seg_dataset
+from medseg.train import train
+
+
+def tiny_seg_config(data_dir: Path, runs_dir: Path, name: str = "tiny-seg", **train_overrides) -> Config:
+    """A UNet small enough to train a few epochs on 2 CPU cores in seconds."""
+    return config_from_dict(
+        {
+            "name": name,
+            "task": "segmentation",
+            "runs_dir": str(runs_dir),
+            "data": {"dir": str(data_dir), "val_fraction": 0.25, "cache": "memory"},
+            "transforms": {"spacing": [1.6, 1.6, 2.4], "window": [-150, 250], "patch": [16, 16, 16], "num_samples": 4},
+            "model": {"name": "unet", "channels": [8, 16, 32], "strides": [2, 2], "num_res_units": 1},
+            "train": {"epochs": 8, "batch_size": 4, "lr": 0.01, "seed": 0, "threads": 2, **train_overrides},
+            "infer": {"sw_batch_size": 8},
+        }
+    )
+
+
+@pytest.fixture(scope="session")
+def seg_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_seg_dataset(tmp_path_factory.mktemp("data") / "seg", n_train=8, n_test=1, seed=3, size=48)
+
+
+@pytest.fixture(scope="session")
+def cls_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_cls_dataset(tmp_path_factory.mktemp("data") / "cls", n_train=12, n_test=1, seed=3, size=24)
+
+
+@pytest.fixture(scope="session")
+def seg_run(seg_data: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A finished tiny segmentation run (with its bundle), shared by the inference and CLI tests."""
+    cfg = tiny_seg_config(seg_data, tmp_path_factory.mktemp("runs"))
+    return train(cfg, progress=False)

@@ -1,0 +1,51 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from medseg.config import apply_overrides, config_from_dict, load_config
+from medseg.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.name and cfg.task in ("segmentation", "classification")
+
+
+def test_unknown_key_is_named_with_allowed_keys(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump({"train": {"epochs": 2, "learning_rate": 0.1}}))
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    assert "train.learning_rate: unknown key" in str(err.value)
+    assert "lr" in str(err.value) and str(p) in str(err.value)
+
+
+def test_bad_choice_lists_allowed_values() -> None:
+    with pytest.raises(ConfigError, match=r"model.name: 'vnet' is not allowed; allowed values: unet, segresnet"):
+        config_from_dict({"model": {"name": "vnet"}})
+
+
+def test_network_must_fit_task() -> None:
+    with pytest.raises(ConfigError, match="not a classification network"):
+        config_from_dict({"task": "classification", "model": {"name": "unet"}})
+
+
+def test_types_are_checked() -> None:
+    with pytest.raises(ConfigError, match="train.epochs: expected an integer"):
+        config_from_dict({"train": {"epochs": "many"}})
+    with pytest.raises(ConfigError, match="transforms.patch: expected three positive numbers"):
+        config_from_dict({"transforms": {"patch": [32, 32]}})
+    with pytest.raises(ConfigError, match="model.strides"):
+        config_from_dict({"model": {"channels": [8, 16, 32], "strides": [2]}})
+
+
+def test_overrides_parse_yaml_values() -> None:
+    data = apply_overrides({"train": {"epochs": 3}}, ["train.epochs=7", "transforms.patch=[16,16,16]", "name=x"])
+    cfg = config_from_dict(data)
+    assert (cfg.train.epochs, cfg.transforms.patch, cfg.name) == (7, [16, 16, 16], "x")
+    with pytest.raises(ConfigError, match="expected key=value"):
+        apply_overrides({}, ["train.epochs"])

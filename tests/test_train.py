@@ -1,0 +1,65 @@
+"""Training loop: learning happens, runs resume exactly, runs are not clobbered."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from medseg.checkpoint import load_checkpoint
+from medseg.errors import ConfigError, RunError
+from medseg.runlog import read_metrics
+from medseg.train import train
+
+from .conftest import tiny_seg_config
+
+
+def test_short_run_dice_rises_and_writes_run_folder(seg_run) -> None:
+    records = read_metrics(seg_run.run_dir / "metrics.jsonl")
+    assert [r["epoch"] for r in records] == list(range(1, 9))
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    assert max(r["val_dice"] for r in records) > records[0]["val_dice"] + 0.15
+    for name in ("config.yaml", "learning_curve.png", "train.log", "checkpoints/last.pt", "checkpoints/best.pt"):
+        assert (seg_run.run_dir / name).is_file(), name
+    ckpt = load_checkpoint(seg_run.run_dir / "checkpoints" / "last.pt")
+    assert ckpt["epoch"] == 8 and {"model", "optimizer", "rng", "config", "labels"} <= set(ckpt)
+
+
+def test_resume_repeats_the_uninterrupted_run(seg_data: Path, tmp_path: Path) -> None:
+    whole = train(tiny_seg_config(seg_data, tmp_path, name="whole", epochs=4), progress=False)
+    cfg = tiny_seg_config(seg_data, tmp_path, name="sliced", epochs=4)
+    part = train(cfg, progress=False, until_epoch=2)
+    assert part.epochs == 2 and not (part.run_dir / "bundle").exists()
+    train(cfg, resume=True, progress=False)
+
+    a, b = read_metrics(whole.run_dir / "metrics.jsonl"), read_metrics(part.run_dir / "metrics.jsonl")
+    assert [r["epoch"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["train_loss"] == pytest.approx(ra["train_loss"], rel=1e-6)
+        assert rb["val_dice"] == pytest.approx(ra["val_dice"], rel=1e-6)
+    wa = load_checkpoint(whole.run_dir / "checkpoints" / "last.pt")["model"]
+    wb = load_checkpoint(part.run_dir / "checkpoints" / "last.pt")["model"]
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7)
+    assert (part.run_dir / "bundle" / "models" / "model.pt").is_file()
+
+
+def test_existing_run_is_not_overwritten(seg_run) -> None:
+    cfg_dict = load_checkpoint(seg_run.run_dir / "checkpoints" / "last.pt")["config"]
+    from medseg.config import config_from_dict
+
+    cfg = config_from_dict(cfg_dict)
+    with pytest.raises(RunError, match="already holds a run"):
+        train(cfg, progress=False)
+    with pytest.raises(RunError, match="already finished"):
+        train(cfg, resume=True, progress=False)
+    changed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=0.1, epochs=9))
+    with pytest.raises(ConfigError, match="changed keys: train.lr"):
+        train(changed, resume=True, progress=False)
+
+
+def test_resume_without_checkpoint_is_a_clear_error(seg_data: Path, tmp_path: Path) -> None:
+    with pytest.raises(RunError, match="nothing to resume"):
+        train(tiny_seg_config(seg_data, tmp_path, name="never"), resume=True, progress=False)
