@@ -45,7 +45,13 @@ def _data_to_dicom(args: argparse.Namespace) -> None:
     image = load_image(args.nifti)
     if image.shape[0] != 1:
         raise MedsegError(f"{args.nifti}: has {image.shape[0]} channels; a DICOM series holds one")
-    files = write_dicom_series(image[0].numpy(), image.affine.numpy(), args.out_dir, series_description=args.description, overwrite=args.overwrite)
+    files = write_dicom_series(
+        image[0].numpy(),
+        image.affine.numpy(),
+        args.out_dir,
+        series_description=args.description,
+        overwrite=args.overwrite,
+    )
     print(f"wrote {len(files)} slices to {args.out_dir}")
 
 

@@ -1,8 +1,7 @@
 """Datasets and loaders for training: the Decathlon datalist, split, cached by MONAI.
 
 Deterministic transforms are cached once (in memory with ``CacheDataset`` or on disk with
-``PersistentDataset``, which keeps the affine only because the chain ends in ``EnsureTyped(...,
-track_meta=True)``); random transforms run anew each epoch. Each epoch's random draws (shuffling,
+``PersistentDataset``, which keeps the affine only with ``track_meta=True``); random transforms run anew each epoch. Each epoch's random draws (shuffling,
 patch positions, augmentation) are seeded from ``(seed, epoch)``, so an epoch is a function of the
 weights it starts from and a resumed run repeats an uninterrupted one exactly.
 """
@@ -13,9 +12,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import nibabel as nib
 import torch
 from monai import transforms as mt
 from monai.data import CacheDataset, DataLoader, Dataset, PersistentDataset
+from monai.data.utils import json_hashing
 
 from medseg import transforms as tf
 from medseg.config import Config
@@ -42,7 +43,16 @@ def _dataset(cfg: Config, items: list[dict], chain: mt.Compose, tag: str) -> Dat
         )
     if cfg.data.cache == "disk":
         cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else cfg.run_dir / "cache"
-        return PersistentDataset(items, chain, cache_dir=cache_dir / tag)
+        # track_meta keeps the affine in the cached MetaTensors (it needs full unpickling of our own
+        # cache files); hashing the transforms makes a changed spacing or window miss the old cache.
+        return PersistentDataset(
+            items,
+            chain,
+            cache_dir=cache_dir / tag,
+            track_meta=True,
+            weights_only=False,
+            hash_transform=json_hashing,
+        )
     return Dataset(items, chain)
 
 
@@ -77,6 +87,24 @@ def _build(cfg: Config, items: list[dict], chain: mt.Compose, tag: str, root: Pa
         ) from exc
 
 
+def _check_pairs(items: list[dict], root: Path) -> None:
+    """Image and label headers agree in shape (a header read, not a data read); the validator checks the rest."""
+    for item in items:
+        if not (isinstance(item.get("label"), str) and str(item["image"]).endswith((".nii", ".nii.gz"))):
+            continue
+        try:
+            image_shape, label_shape = nib.load(item["image"]).shape[:3], nib.load(item["label"]).shape[:3]
+        except Exception as exc:  # noqa: BLE001 - nibabel raises several types for damaged headers
+            raise DataError(
+                f"{item['image']}: header cannot be read ({exc}); run `medseg data validate {root}`"
+            ) from None
+        if image_shape != label_shape:
+            raise DataError(
+                f"{item['label']}: label shape {label_shape} differs from its image {image_shape}; "
+                f"run `medseg data validate {root}` for every problem"
+            )
+
+
 def make_train_data(cfg: Config) -> TrainData:
     """Read the dataset named by ``cfg.data.dir``, split it, and build cached datasets and loaders."""
     info = load_dataset(cfg.data.dir)
@@ -84,6 +112,8 @@ def make_train_data(cfg: Config) -> TrainData:
         raise ConfigError(f"task: config says {cfg.task!r} but {info.json_path} holds a {info.task} dataset")
     if len(info.training) < 2:
         raise DataError(f"{info.json_path}: needs at least 2 training cases, found {len(info.training)}")
+    if cfg.task == "segmentation":
+        _check_pairs(info.training, info.root)
     train_items, val_items = split_train_val(info.training, cfg.data.val_fraction, cfg.train.seed)
     if cfg.task == "segmentation":
         train_chain, val_chain = tf.seg_train(cfg), tf.seg_val(cfg)

@@ -87,7 +87,9 @@ def _check_resume(cfg: Config, state: dict[str, Any], last: Path) -> None:
         )
 
 
-def train(cfg: Config, resume: bool = False, progress: bool = True, until_epoch: int | None = None) -> TrainResult:
+def train(
+    cfg: Config, resume: bool = False, progress: bool = True, until_epoch: int | None = None
+) -> TrainResult:
     """Train ``cfg`` from scratch, or continue the run in ``cfg.run_dir`` when ``resume`` is true.
 
     ``until_epoch`` stops after that epoch as an interruption would (checkpoint written, no bundle),
@@ -111,14 +113,22 @@ def train(cfg: Config, resume: bool = False, progress: bool = True, until_epoch:
     run_dir.mkdir(parents=True, exist_ok=True)
     handler = _attach_log_file(run_dir)
     try:
-        return _train(cfg, state, progress, until_epoch or cfg.train.epochs, last_path, best_path, metrics_path)
+        return _train(
+            cfg, state, progress, until_epoch or cfg.train.epochs, last_path, best_path, metrics_path
+        )
     finally:
         logging.getLogger("medseg").removeHandler(handler)
         handler.close()
 
 
 def _train(
-    cfg: Config, state: dict | None, progress: bool, stop: int, last_path: Path, best_path: Path, metrics_path: Path
+    cfg: Config,
+    state: dict | None,
+    progress: bool,
+    stop: int,
+    last_path: Path,
+    best_path: Path,
+    metrics_path: Path,
 ) -> TrainResult:
     t = cfg.train
     if t.threads:
@@ -209,7 +219,9 @@ def _train(
 
     if stop < t.epochs:
         log.info("stopped after epoch %d of %d; continue with --resume", stop, t.epochs)
-        return TrainResult(cfg.run_dir, stop, None if best == -math.inf else best, best_epoch, task.key_metric, records[-1])
+        return TrainResult(
+            cfg.run_dir, stop, None if best == -math.inf else best, best_epoch, task.key_metric, records[-1]
+        )
     best_state = load_checkpoint(best_path)
     best_record = next((r for r in records if r["epoch"] == best_state["epoch"]), {})
     export_bundle(cfg, best_state, metrics={k: v for k, v in best_record.items() if k.startswith("val_")})

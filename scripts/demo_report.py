@@ -20,20 +20,36 @@ def main() -> int:
         ("segmentation: held-out mean foreground Dice", seg["dice"], ">=", 0.80),
         ("classification: held-out ROC-AUC", cls["auc"], ">=", 0.90),
     ]
-    for name, path in (("infer on DICOM series", "runs/demo-seg/dicom-demo-mask.nii.gz"), ("data convert", "runs/demo-seg/dicom-demo.nii.gz")):
+    for name, path in (
+        ("infer on DICOM series", "runs/demo-seg/dicom-demo-mask.nii.gz"),
+        ("data convert", "runs/demo-seg/dicom-demo.nii.gz"),
+    ):
         out = nib.load(path)
         if out.shape != volume.shape:
             checks.append((f"{name}: shape {out.shape} vs series {volume.shape}", 1.0, "<=", 0.0))
-        checks.append((f"{name}: max |affine - series affine| (mm)", float(np.abs(out.affine - affine).max()), "<=", 1e-3))
+        checks.append(
+            (
+                f"{name}: max |affine - series affine| (mm)",
+                float(np.abs(out.affine - affine).max()),
+                "<=",
+                1e-3,
+            )
+        )
     print("\nmedseg demo summary")
     ok = True
     for name, value, op, target in checks:
         good = value >= target if op == ">=" else value <= target
         ok &= good
         print(f"  {'PASS' if good else 'MISS'}  {name}: {value:.4g} (target {op} {target:g})")
-    print(f"  per-class held-out scores: {json.dumps({k: round(v, 4) for k, v in seg.items() if v is not None})}")
-    print("  outputs: runs/demo-seg and runs/demo-cls (config.yaml, checkpoints/, metrics.jsonl, learning_curve.png,")
-    print("           bundle/, eval-*.json); DICOM series data/dicom-demo -> runs/demo-seg/dicom-demo-mask.nii.gz")
+    print(
+        f"  per-class held-out scores: {json.dumps({k: round(v, 4) for k, v in seg.items() if v is not None})}"
+    )
+    print(
+        "  outputs: runs/demo-seg and runs/demo-cls (config.yaml, checkpoints/, metrics.jsonl, learning_curve.png,"
+    )
+    print(
+        "           bundle/, eval-*.json); DICOM series data/dicom-demo -> runs/demo-seg/dicom-demo-mask.nii.gz"
+    )
     return 0 if ok else 1
 
 

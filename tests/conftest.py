@@ -19,7 +19,12 @@ def tiny_seg_config(data_dir: Path, runs_dir: Path, name: str = "tiny-seg", **tr
             "task": "segmentation",
             "runs_dir": str(runs_dir),
             "data": {"dir": str(data_dir), "val_fraction": 0.25, "cache": "memory"},
-            "transforms": {"spacing": [1.6, 1.6, 2.4], "window": [-150, 250], "patch": [16, 16, 16], "num_samples": 4},
+            "transforms": {
+                "spacing": [1.6, 1.6, 2.4],
+                "window": [-150, 250],
+                "patch": [16, 16, 16],
+                "num_samples": 4,
+            },
             "model": {"name": "unet", "channels": [8, 16, 32], "strides": [2, 2], "num_res_units": 1},
             "train": {"epochs": 8, "batch_size": 4, "lr": 0.01, "seed": 0, "threads": 2, **train_overrides},
             "infer": {"sw_batch_size": 8},

@@ -20,8 +20,17 @@ def dicom_series_geometry(folder: Path) -> tuple[np.ndarray, tuple[int, int, int
     first = np.asarray(headers[0].ImagePositionPatient, float)
     second = np.asarray(headers[1].ImagePositionPatient, float)
     lps = np.eye(4)
-    lps[:3, 0], lps[:3, 1], lps[:3, 2], lps[:3, 3] = row * between_cols, col * between_rows, second - first, first
-    return np.diag([-1.0, -1.0, 1.0, 1.0]) @ lps, (int(headers[0].Columns), int(headers[0].Rows), len(headers))
+    lps[:3, 0], lps[:3, 1], lps[:3, 2], lps[:3, 3] = (
+        row * between_cols,
+        col * between_rows,
+        second - first,
+        first,
+    )
+    return np.diag([-1.0, -1.0, 1.0, 1.0]) @ lps, (
+        int(headers[0].Columns),
+        int(headers[0].Rows),
+        len(headers),
+    )
 
 
 def oblique(affine: np.ndarray, degrees: tuple[float, float, float] = (12.0, -20.0, 7.0)) -> np.ndarray:

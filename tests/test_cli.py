@@ -35,7 +35,10 @@ def _volume(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 def test_subprocess_error_exits_2_without_traceback(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "medseg", "data", "validate", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "medseg", "data", "validate", str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "error:" in proc.stderr and "nowhere" in proc.stderr and "Traceback" not in proc.stderr
@@ -69,16 +72,29 @@ def test_unknown_config_key(capsys, tmp_path: Path) -> None:
 
 
 def test_bad_override_value(capsys) -> None:
-    code, err = run_cli(capsys, "train", "--config", ROOT / "configs" / "demo-seg.yaml", "train.optimizer=lbfgs")
+    code, err = run_cli(
+        capsys, "train", "--config", ROOT / "configs" / "demo-seg.yaml", "train.optimizer=lbfgs"
+    )
     assert code == 2 and "train.optimizer: 'lbfgs' is not allowed" in err and "adamw" in err
 
 
 def test_infer_missing_run(capsys, tmp_path: Path) -> None:
-    code, err = run_cli(capsys, "infer", "--run", tmp_path / "runs" / "x", "--input", tmp_path, "--output", tmp_path / "o.nii.gz")
+    code, err = run_cli(
+        capsys,
+        "infer",
+        "--run",
+        tmp_path / "runs" / "x",
+        "--input",
+        tmp_path,
+        "--output",
+        tmp_path / "o.nii.gz",
+    )
     assert code == 2 and "no MONAI bundle" in err
 
 
-@pytest.mark.parametrize("defect", ["truncated", "not-an-image", "nan", "2d", "empty-folder", "mixed-series", "wrong-suffix"])
+@pytest.mark.parametrize(
+    "defect", ["truncated", "not-an-image", "nan", "2d", "empty-folder", "mixed-series", "wrong-suffix"]
+)
 def test_infer_bad_input_keeps_existing_output(capsys, seg_run, tmp_path: Path, defect: str) -> None:
     data, affine = _volume()
     source = tmp_path / "input.nii.gz"

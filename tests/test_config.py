@@ -25,7 +25,9 @@ def test_unknown_key_is_named_with_allowed_keys(tmp_path: Path) -> None:
 
 
 def test_bad_choice_lists_allowed_values() -> None:
-    with pytest.raises(ConfigError, match=r"model.name: 'vnet' is not allowed; allowed values: unet, segresnet"):
+    with pytest.raises(
+        ConfigError, match=r"model.name: 'vnet' is not allowed; allowed values: unet, segresnet"
+    ):
         config_from_dict({"model": {"name": "vnet"}})
 
 
@@ -44,7 +46,9 @@ def test_types_are_checked() -> None:
 
 
 def test_overrides_parse_yaml_values() -> None:
-    data = apply_overrides({"train": {"epochs": 3}}, ["train.epochs=7", "transforms.patch=[16,16,16]", "name=x"])
+    data = apply_overrides(
+        {"train": {"epochs": 3}}, ["train.epochs=7", "transforms.patch=[16,16,16]", "name=x"]
+    )
     cfg = config_from_dict(data)
     assert (cfg.train.epochs, cfg.transforms.patch, cfg.name) == (7, [16, 16, 16], "x")
     with pytest.raises(ConfigError, match="expected key=value"):

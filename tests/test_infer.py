@@ -31,7 +31,9 @@ def _test_case(seg_data: Path) -> nib.Nifti1Image:
 
 
 @pytest.mark.parametrize("turned", [False, True], ids=["lps", "oblique"])
-def test_infer_on_dicom_series_keeps_series_geometry(seg_run, seg_data: Path, tmp_path: Path, turned: bool) -> None:
+def test_infer_on_dicom_series_keeps_series_geometry(
+    seg_run, seg_data: Path, tmp_path: Path, turned: bool
+) -> None:
     img = _test_case(seg_data)
     affine = oblique(img.affine) if turned else img.affine
     series = tmp_path / "series"
@@ -61,7 +63,10 @@ def test_convert_keeps_series_geometry(seg_data: Path, tmp_path: Path) -> None:
 def test_nifti_round_trip_under_oblique_anisotropic_geometry(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     data = rng.integers(-1000, 1000, size=(20, 14, 9)).astype(np.int16)
-    affine = oblique(np.diag([-0.7, 0.9, 3.0, 1.0]) + np.array([[0, 0, 0, 40.0], [0, 0, 0, -12.5], [0, 0, 0, 7.0], [0, 0, 0, 0]]))
+    affine = oblique(
+        np.diag([-0.7, 0.9, 3.0, 1.0])
+        + np.array([[0, 0, 0, 40.0], [0, 0, 0, -12.5], [0, 0, 0, 7.0], [0, 0, 0, 0]])
+    )
     path = save_nifti(data, affine, tmp_path / "x.nii.gz")
     image = load_image(path)
     assert tuple(image.shape) == (1, 20, 14, 9)
@@ -89,7 +94,14 @@ def test_predict_on_nibabel_anatomical(seg_run) -> None:
 def test_bundle_layout_and_weights_only_load(seg_run) -> None:
     root = seg_run.run_dir / "bundle"
     meta = json.loads((root / "configs" / "metadata.json").read_text())
-    required = {"version", "changelog", "monai_version", "pytorch_version", "numpy_version", "optional_packages_version"}
+    required = {
+        "version",
+        "changelog",
+        "monai_version",
+        "pytorch_version",
+        "numpy_version",
+        "optional_packages_version",
+    }
     required |= {"task", "description", "authors", "copyright", "network_data_format", "schema"}
     assert required <= set(meta)
     assert meta["network_data_format"]["outputs"]["pred"]["num_channels"] == 3

@@ -21,7 +21,13 @@ def test_short_run_dice_rises_and_writes_run_folder(seg_run) -> None:
     assert [r["epoch"] for r in records] == list(range(1, 9))
     assert records[-1]["train_loss"] < records[0]["train_loss"]
     assert max(r["val_dice"] for r in records) > records[0]["val_dice"] + 0.15
-    for name in ("config.yaml", "learning_curve.png", "train.log", "checkpoints/last.pt", "checkpoints/best.pt"):
+    for name in (
+        "config.yaml",
+        "learning_curve.png",
+        "train.log",
+        "checkpoints/last.pt",
+        "checkpoints/best.pt",
+    ):
         assert (seg_run.run_dir / name).is_file(), name
     ckpt = load_checkpoint(seg_run.run_dir / "checkpoints" / "last.pt")
     assert ckpt["epoch"] == 8 and {"model", "optimizer", "rng", "config", "labels"} <= set(ckpt)
@@ -63,3 +69,34 @@ def test_existing_run_is_not_overwritten(seg_run) -> None:
 def test_resume_without_checkpoint_is_a_clear_error(seg_data: Path, tmp_path: Path) -> None:
     with pytest.raises(RunError, match="nothing to resume"):
         train(tiny_seg_config(seg_data, tmp_path, name="never"), resume=True, progress=False)
+
+
+def test_disk_cache_keeps_geometry_and_trains(seg_data: Path, tmp_path: Path) -> None:
+    cfg = tiny_seg_config(seg_data, tmp_path, name="disk", epochs=1)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache="disk"))
+    result = train(cfg, progress=False)
+    cached = list((result.run_dir / "cache" / "train").glob("*.pt"))
+    assert len(cached) == 6  # 8 cases, 2 held for validation
+    from monai.data import MetaTensor
+
+    item = torch.load(cached[0], weights_only=False)
+    assert isinstance(item["image"], MetaTensor) and item["image"].affine.shape == (4, 4)
+
+
+def test_label_shape_mismatch_stops_training_before_it_starts(seg_data: Path, tmp_path: Path) -> None:
+    import shutil
+
+    import nibabel as nib
+    import numpy as np
+
+    from medseg.datasets.nifti import save_nifti
+    from medseg.errors import DataError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(seg_data, bad)
+    label = sorted((bad / "labelsTr").iterdir())[2]
+    img = nib.load(label)
+    save_nifti(np.asarray(img.dataobj)[:-2], img.affine, label)
+    with pytest.raises(DataError, match=f"{label.name}: label shape"):
+        train(tiny_seg_config(bad, tmp_path, name="bad"), progress=False)
+    assert not (tmp_path / "bad" / "checkpoints").exists()
