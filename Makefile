@@ -7,17 +7,19 @@ MEDSEG := $(BIN)/medseg
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.medseg-setup
 
-.PHONY: setup demo test lint clean-demo
+.PHONY: setup demo test bench lint
 
 setup: $(STAMP)
 
 # Re-runs only when pyproject.toml changes; a second `make setup` takes seconds.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/build_horovod.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
 	# Keep an installed torch; otherwise install the pinned one before anything can pull a CUDA build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q --no-build-isolation -e ".[dev]"
+	# Horovod 0.28.1 patched for torch's C++17 headers, built once and cached outside the clone.
+	scripts/build_horovod.sh $(BIN)/python
 	touch $(STAMP)
 
 demo: setup
@@ -38,6 +40,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# Writes docs/benchmarks.md's comm section and docs/bench-comm.png (about 5 minutes with QUICK=1).
+bench: setup
+	$(MEDSEG) bench comm $(if $(QUICK),--quick) --json docs/bench-comm.json --markdown docs/benchmarks.md
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

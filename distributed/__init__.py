@@ -1,10 +1,11 @@
 """medseg.distributed: the training loop's view of the synchronisation backend.
 
-The training loop never knows which synchronisation mode is active: it asks this package for a
-wrapped optimizer. Today one process trains alone; the Horovod backend (GSSP, compressed allreduce)
-plugs in behind the same call.
+The loop opens a session (:func:`open_session`) and asks it for a wrapped optimizer, a sampler for
+its share of each epoch, and the epoch's numbers; it never knows which mode is active. One process
+trains with :class:`LocalSession`; ranks started by ``medseg train --np N`` (horovodrun) use
+:class:`HorovodSession` with bsp, gssp, ssp or local-sgd and optional compression (see sync.py).
 """
 
-from medseg.distributed.optimizer import wrap_optimizer
+from medseg.distributed.session import LocalSession, epoch_seed, open_session
 
-__all__ = ["wrap_optimizer"]
+__all__ = ["LocalSession", "epoch_seed", "open_session"]

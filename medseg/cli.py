@@ -66,16 +66,33 @@ def _data_validate(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     from medseg.config import load_config
+    from medseg.distributed.launcher import is_worker, launch
     from medseg.train import train
 
     cfg = load_config(args.config, args.overrides)
-    result = train(cfg, resume=args.resume, progress=not args.no_progress)
+    if args.np is not None and not is_worker():
+        launch(cfg, args.config, args.overrides, args.np, args.hosts, args.resume, args.straggler)
+        _print_run(cfg.run_dir)
+        return
+    result = train(cfg, resume=args.resume, progress=not args.no_progress, straggler=args.straggler)
+    if is_worker():
+        return  # the launcher reports for the whole job
     best = (
         f"{result.best_metric:.4f} at epoch {result.best_epoch}" if result.best_metric is not None else "n/a"
     )
     print(
         f"run {result.run_dir}: {result.epochs} epochs, best {result.key_metric} {best}; bundle in {result.run_dir / 'bundle'}"
     )
+
+
+def _print_run(run_dir: Path) -> None:
+    from medseg.runlog import read_metrics
+
+    records = read_metrics(run_dir / "metrics.jsonl")
+    if records:
+        last = records[-1]
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in last.items() if isinstance(v, float))
+        print(f"run {run_dir}: {last['epoch']} epochs; last epoch {shown}; bundle in {run_dir / 'bundle'}")
 
 
 def _evaluate(args: argparse.Namespace) -> None:
@@ -93,6 +110,17 @@ def _infer(args: argparse.Namespace) -> None:
 
     out = infer_to_file(args.run, args.input, args.output, series_uid=args.series, resample=args.resample)
     print(f"wrote {out}")
+
+
+def _bench_comm(args: argparse.Namespace) -> None:
+    from medseg.distributed.bench import bench_comm, check_targets, format_table, write_report
+
+    result = bench_comm(args.workdir, quick=args.quick)
+    write_report(result, args.json, args.markdown)
+    print(format_table(result))
+    for name, ok in check_targets(result):
+        print(f"{'met   ' if ok else 'MISSED'} {name}")
+    print(f"wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,8 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue the run named by the config from its last checkpoint"
     )
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
+    s.add_argument("--np", type=int, help="train on N ranks under horovodrun (needs dist.sync other than none)")
+    s.add_argument("--hosts", help="HOST:SLOTS,... for --np across servers (default localhost:N)")
+    s.add_argument("--straggler", metavar="RANK:FACTOR", help="slow one rank down by FACTOR (tests and benchmarks)")
     s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.epochs=5")
     s.set_defaults(func=_train)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    s = bench.add_parser("comm", help="synchronisation modes vs plain Horovod, 4 ranks, one 2x straggler")
+    s.add_argument("--quick", action="store_true", help="fewer cases and epochs (about 5 minutes on 2 cores)")
+    s.add_argument("--json", type=Path, required=True, help="write the results here")
+    s.add_argument("--markdown", type=Path, help="update this markdown file's comm section (e.g. docs/benchmarks.md)")
+    s.add_argument("--workdir", type=Path, default=Path("runs/bench-comm"), help="data and runs of the benchmark")
+    s.set_defaults(func=_bench_comm)
 
     s = sub.add_parser("evaluate", help="score a trained run in original geometry")
     s.add_argument("--run", type=Path, required=True, help="run folder (runs/NAME) or bundle folder")

@@ -69,8 +69,23 @@ class TrainConfig:
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     amp: bool = True  # mixed precision, used on CUDA only
-    sync: Literal["none"] = "none"
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+
+
+@dataclass
+class DistConfig:
+    """How workers synchronise (see medseg.distributed); used when training runs on several ranks."""
+
+    sync: Literal["none", "bsp", "gssp", "ssp", "local-sgd"] = "none"
+    groups: list[list[int]] = field(default_factory=list)  # explicit groups of ranks; [] = by measured speed
+    num_groups: int = 0  # with automatic groups: 0 = chosen by Calinski-Harabasz
+    staleness: int = 2  # gssp/ssp: rounds a group may run ahead of the slowest
+    dc_lambda: float = 0.0  # gssp/ssp: DC-ASGD delay compensation strength (0 = off)
+    period: int = 4  # local-sgd: steps between model averages
+    compression: Literal["none", "fp16", "fixed"] = "none"
+    bits: Literal[2, 4, 8] = 4  # compression: fixed
+    timeout_s: float = 120.0  # a rank silent this long is declared hung and the job is stopped
+    profile_steps: int = 3  # steps timed per rank to measure speed for automatic groups
 
 
 @dataclass
@@ -89,6 +104,7 @@ class Config:
     transforms: TransformConfig = field(default_factory=TransformConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     infer: InferConfig = field(default_factory=InferConfig)
 
     @property
@@ -180,6 +196,11 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"train.{key}: must be at least 1")
     if cfg.train.lr <= 0:
         raise ConfigError("train.lr: must be positive")
+    d = cfg.dist
+    if d.staleness < 0 or d.period < 1 or d.timeout_s <= 0 or d.profile_steps < 1 or d.num_groups < 0:
+        raise ConfigError("dist: staleness >= 0, period >= 1, timeout_s > 0, profile_steps >= 1 and num_groups >= 0 are required")
+    if d.compression == "fp16" and d.sync != "bsp":
+        raise ConfigError(f"dist.compression: fp16 is Horovod's own compressor and works with sync: bsp only, not {d.sync}")
     if not cfg.name or "/" in cfg.name or cfg.name.startswith("."):
         raise ConfigError(f"name: {cfg.name!r} is not a usable run folder name")
 

@@ -21,6 +21,7 @@ from monai.data.utils import json_hashing
 from medseg import transforms as tf
 from medseg.config import Config
 from medseg.datasets.decathlon import DatasetInfo, load_dataset, split_train_val
+from medseg.distributed import LocalSession, epoch_seed
 from medseg.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,11 @@ def _check_pairs(items: list[dict], root: Path) -> None:
 
 
 def make_train_data(cfg: Config) -> TrainData:
-    """Read the dataset named by ``cfg.data.dir``, split it, and build cached datasets and loaders."""
+    """Read the dataset named by ``cfg.data.dir``, split it, and build cached datasets and loaders.
+
+    The training loader shuffles everything; in a multi-rank job :func:`share_loader` then gives
+    this rank its share of every epoch instead.
+    """
     info = load_dataset(cfg.data.dir)
     if info.task != cfg.task:
         raise ConfigError(f"task: config says {cfg.task!r} but {info.json_path} holds a {info.task} dataset")
@@ -135,9 +140,24 @@ def make_train_data(cfg: Config) -> TrainData:
     return TrainData(info, train_items, val_items, train_chain, train_loader, val_loader)
 
 
-def seed_epoch(data: TrainData, seed: int, epoch: int) -> None:
-    """Seed every random draw of ``epoch``: torch (dropout), the shuffle, and MONAI's random transforms."""
-    epoch_seed = (seed * 100_003 + epoch) % (2**31)
-    torch.manual_seed(epoch_seed)
-    data.train_loader.generator.manual_seed(epoch_seed)
-    data.train_chain.set_random_state(seed=epoch_seed)
+def share_loader(data: TrainData, cfg: Config, session: LocalSession) -> None:
+    """Replace the training loader by one over this rank's share of each epoch (multi-rank jobs)."""
+    sampler = session.sampler(len(data.train_items), cfg.train.batch_size, cfg.train.seed)
+    if sampler is not None:
+        data.train_loader = DataLoader(
+            data.train_loader.dataset,
+            batch_size=cfg.train.batch_size,
+            sampler=sampler,
+            num_workers=cfg.data.num_workers,
+            generator=torch.Generator(),
+        )
+
+
+def seed_epoch(data: TrainData, seed: int, epoch: int, rank: int = 0) -> None:
+    """Seed every random draw of ``epoch``: torch (dropout), the shuffle or share, MONAI's random transforms."""
+    draws = epoch_seed(seed, epoch, rank)
+    torch.manual_seed(draws)
+    data.train_loader.generator.manual_seed(draws)
+    if hasattr(data.train_loader.sampler, "set_epoch"):
+        data.train_loader.sampler.set_epoch(epoch)
+    data.train_chain.set_random_state(seed=draws)

@@ -20,8 +20,8 @@ from tqdm import tqdm
 from medseg.bundle import export_bundle
 from medseg.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from medseg.config import Config, config_from_dict, diff_configs, save_config
-from medseg.data import make_train_data, seed_epoch
-from medseg.distributed import wrap_optimizer
+from medseg.data import make_train_data, seed_epoch, share_loader
+from medseg.distributed import LocalSession, open_session
 from medseg.errors import ConfigError, RunError
 from medseg.models import build_network, network_def
 from medseg.runlog import plot_learning_curve, read_metrics, write_metrics
@@ -30,7 +30,7 @@ from medseg.tasks import make_task
 log = logging.getLogger(__name__)
 
 # Keys that may change when a run is resumed; anything else must match the saved config.
-RESUMABLE_CHANGES = {"train.epochs", "train.device", "train.threads", "data.num_workers"}
+RESUMABLE_CHANGES = {"train.epochs", "train.device", "train.threads", "data.num_workers", "dist.timeout_s"}
 
 
 @dataclass
@@ -88,12 +88,18 @@ def _check_resume(cfg: Config, state: dict[str, Any], last: Path) -> None:
 
 
 def train(
-    cfg: Config, resume: bool = False, progress: bool = True, until_epoch: int | None = None
+    cfg: Config,
+    resume: bool = False,
+    progress: bool = True,
+    until_epoch: int | None = None,
+    straggler: str | None = None,
 ) -> TrainResult:
     """Train ``cfg`` from scratch, or continue the run in ``cfg.run_dir`` when ``resume`` is true.
 
     ``until_epoch`` stops after that epoch as an interruption would (checkpoint written, no bundle),
-    so a run can be trained in slices; ``resume`` picks it up.
+    so a run can be trained in slices; ``resume`` picks it up. Inside a rank started by
+    ``medseg train --np N`` the same function runs on every rank; rank 0 alone writes the run
+    folder (checkpoints, metrics, plots, bundle); ``straggler`` (``RANK:FACTOR``) slows one rank.
     """
     run_dir, ckpt_dir = cfg.run_dir, cfg.run_dir / "checkpoints"
     last_path, best_path, metrics_path = ckpt_dir / "last.pt", ckpt_dir / "best.pt", run_dir / "metrics.jsonl"
@@ -111,18 +117,22 @@ def train(
         )
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    handler = _attach_log_file(run_dir)
+    session = open_session(cfg, straggler)
+    handler = _attach_log_file(run_dir) if session.is_chief else None
     try:
         return _train(
-            cfg, state, progress, until_epoch or cfg.train.epochs, last_path, best_path, metrics_path
+            cfg, session, state, progress, until_epoch or cfg.train.epochs, last_path, best_path, metrics_path
         )
     finally:
-        logging.getLogger("medseg").removeHandler(handler)
-        handler.close()
+        if handler is not None:
+            logging.getLogger("medseg").removeHandler(handler)
+            handler.close()
+        session.close()
 
 
 def _train(
     cfg: Config,
+    session: LocalSession,
     state: dict | None,
     progress: bool,
     stop: int,
@@ -134,25 +144,41 @@ def _train(
     if t.threads:
         torch.set_num_threads(t.threads)
     device = pick_device(t.device)
+    use_amp = t.amp and device.type == "cuda"
+    torch.manual_seed(t.seed)  # weight initialisation; each epoch reseeds its own draws
     data = make_train_data(cfg)
     labels = data.info.labels
     task = make_task(cfg, labels)
-    torch.manual_seed(t.seed)  # weight initialisation; each epoch reseeds its own draws
     model = build_network(network_def(cfg, out_channels=len(labels))).to(device)
-    optimizer = wrap_optimizer(_optimizer(cfg, model), model, t.sync)
+    base_optimizer = _optimizer(cfg, model)
+
+    def profile_step() -> int:
+        """One forward and backward pass (no update), for measuring this rank's speed."""
+        batch = next(iter(data.train_loader))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+            loss = task.loss(model(_plain(batch["image"].to(device))), _plain(task.targets(batch, device)))
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return int(batch["image"].shape[0])
+
+    session.prepare(profile_step)
+    share_loader(data, cfg, session)  # a rank's share of each epoch depends on the groups just formed
     scheduler = (
-        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=t.epochs)
+        torch.optim.lr_scheduler.CosineAnnealingLR(base_optimizer, T_max=t.epochs)
         if t.scheduler == "cosine"
         else None
     )
-    use_amp = t.amp and device.type == "cuda"
-    scaler = torch.amp.GradScaler("cuda", enabled=use_amp)
+    # bf16 needs no loss scaling; fp16 (GPUs without bf16) uses a GradScaler, in one process only.
+    amp_dtype = torch.bfloat16 if use_amp and torch.cuda.is_bf16_supported() else torch.float16
+    scaler = torch.amp.GradScaler("cuda", enabled=use_amp and amp_dtype == torch.float16)
+    if scaler.is_enabled() and session.size > 1:
+        raise ConfigError("train.amp: this GPU has no bf16 and fp16 loss scaling is single-process only; set train.amp=false")
 
     start, best, best_epoch = 1, -math.inf, None
     records = read_metrics(metrics_path)
     if state is not None:
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        base_optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state.get("scheduler"):
             scheduler.load_state_dict(state["scheduler"])
             scheduler.T_max = t.epochs
@@ -163,23 +189,31 @@ def _train(
         log.info("resuming %s at epoch %d of %d", cfg.run_dir, start, t.epochs)
     else:
         records = []
-    save_config(cfg, cfg.run_dir / "config.yaml")
+    optimizer = session.wrap_optimizer(base_optimizer, model)
+    if session.is_chief:
+        save_config(cfg, cfg.run_dir / "config.yaml")
 
     for epoch in range(start, min(stop, t.epochs) + 1):
-        seed_epoch(data, t.seed, epoch)
+        seed_epoch(data, t.seed, epoch, session.rank)
+        session.start_epoch()
         model.train()
         tic, losses = time.perf_counter(), []
         bar = tqdm(
             data.train_loader, desc=f"{cfg.name} epoch {epoch}/{t.epochs}", leave=False, disable=not progress
         )
-        for batch in bar:
+        for step, batch in enumerate(bar):
             inputs, targets = _plain(batch["image"].to(device)), _plain(task.targets(batch, device))
             optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, enabled=use_amp):
-                loss = task.loss(model(inputs), targets)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+            with session.compute():
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
+                    loss = task.loss(model(inputs), targets)
+                scaler.scale(loss).backward()
+            if scaler.is_enabled():
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            session.after_step(epoch, step, int(inputs.shape[0]))
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
         if scheduler is not None:
@@ -187,12 +221,16 @@ def _train(
         record: dict[str, Any] = {
             "epoch": epoch,
             "train_loss": sum(losses) / len(losses),
-            "lr": optimizer.param_groups[0]["lr"],
+            "lr": base_optimizer.param_groups[0]["lr"],
             "epoch_s": round(time.perf_counter() - tic, 3),
         }
+        record.update(session.end_epoch(optimizer))
+        if not session.is_chief:
+            continue  # rank 0 alone validates and writes; the others go on to the next epoch
         if data.val_loader is not None and (epoch % t.val_interval == 0 or epoch == t.epochs):
             model.eval()
             record.update(task.validate(model, data.val_loader, device))
+            session.beat("validated")
         metric = record.get(task.key_metric)
         is_best = metric is not None and metric > best
         if is_best:
@@ -217,6 +255,8 @@ def _train(
         shown = " ".join(f"{k}={v:.4f}" for k, v in record.items() if isinstance(v, float) and k != "epoch_s")
         log.info("epoch %d/%d %s (%.1fs)", epoch, t.epochs, shown, record["epoch_s"])
 
+    if not session.is_chief:
+        return TrainResult(cfg.run_dir, min(stop, t.epochs), None, None, task.key_metric, {})
     if stop < t.epochs:
         log.info("stopped after epoch %d of %d; continue with --resume", stop, t.epochs)
         return TrainResult(

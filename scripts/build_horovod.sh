@@ -33,7 +33,7 @@ PY=$1
 [[ -x $PY ]] || die "$PY is not an executable Python (create the venv first)"
 VENV_BIN=$(cd "$(dirname "$PY")" && pwd)
 PY="$VENV_BIN/$(basename "$PY")"
-# horovodrun and a pip-installed cmake live here; horovodrun starts workers via PATH.
+# A pip-installed cmake lives here, and so does horovodrun; put them first on PATH.
 export PATH="$VENV_BIN:$PATH"
 START=$SECONDS
 
@@ -42,8 +42,8 @@ check_build() {
 }
 
 # 1. Already importable: done.
-if "$PY" -c "import horovod.torch" >/dev/null 2>&1; then
-	log "horovod.torch already imports in $VENV_BIN ($("$PY" -c 'import horovod; print(horovod.__version__)')); nothing to do"
+if have=$("$PY" -c "import horovod.torch, horovod; print(horovod.__version__)" 2>/dev/null); then
+	log "horovod $have: horovod.torch already imports in $VENV_BIN; nothing to do"
 	exit 0
 fi
 
@@ -83,9 +83,14 @@ install_wheel() {
 	pip_install "${RUNTIME_DEPS[@]}" || return 1
 	# --force-reinstall: a horovod built against another torch may be installed (and fail to import).
 	pip_install --no-deps --force-reinstall "$whl" || return 1
-	"$PY" - <<'EOF' || return 1
+	MEDSEG_HOROVOD_CHECK_NCCL=$GPU "$PY" - <<'EOF' || return 1
+import os
 import horovod.torch as hvd
-missing = [name for name, ok in (("PyTorch", hvd.torch_built()), ("Gloo", hvd.gloo_built())) if not ok]
+from horovod.common.util import extension_available
+checks = [("PyTorch", extension_available("torch")), ("Gloo", hvd.gloo_built())]
+if os.environ["MEDSEG_HOROVOD_CHECK_NCCL"] == "1":
+    checks.append(("NCCL", hvd.nccl_built()))
+missing = [name for name, ok in checks if not ok]
 if missing:
     raise SystemExit("horovod imports but is built without " + ", ".join(missing))
 EOF
@@ -137,6 +142,8 @@ fi
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/medseg-horovod-build.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 BUILD_LOG="$CACHE_ROOT/horovod-$HOROVOD_VERSION-build.log"
 
 log "downloading the horovod $HOROVOD_VERSION sdist"

@@ -1,0 +1,119 @@
+"""Multi-rank training through Horovod's own launcher (Gloo on CPU), 2 and 4 ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup` (scripts/build_horovod.sh)")
+
+from medseg.checkpoint import load_checkpoint  # noqa: E402
+from medseg.runlog import read_metrics  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def horovodrun(np_: int, script: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
+    cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", sys.executable, str(ROOT / script)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def write_config(tmp_path: Path, data: Path, name: str, dist: dict, epochs: int = 3, **train) -> Path:
+    cfg = {
+        "name": name,
+        "task": "segmentation",
+        "runs_dir": str(tmp_path / "runs"),
+        "data": {"dir": str(data), "val_fraction": 0.25, "cache": "memory"},
+        "transforms": {"spacing": [1.6, 1.6, 2.4], "window": [-150, 250], "patch": [16, 16, 16], "num_samples": 2},
+        "model": {"name": "unet", "channels": [8, 16, 32], "strides": [2, 2], "num_res_units": 1},
+        "train": {"epochs": epochs, "batch_size": 1, "lr": 0.01, "seed": 0, "threads": 1, "scheduler": "none", **train},
+        "dist": {"timeout_s": 60, "profile_steps": 2, **dist},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def medseg(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
+    return subprocess.run([str(BIN / "medseg"), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def dist_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from medseg.datasets.synthetic import make_seg_dataset
+
+    return make_seg_dataset(tmp_path_factory.mktemp("dist") / "seg", n_train=16, n_test=0, seed=5, size=48)
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_gssp_one_group_staleness_zero_equals_plain_horovod(np_: int) -> None:
+    proc = horovodrun(np_, "tests/mp/gssp_equals_bsp.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "relative parameter difference" in proc.stdout
+
+
+def test_gssp_fixed4_trains_like_bsp_and_keeps_the_staleness_bound(dist_data: Path, tmp_path: Path) -> None:
+    bsp = write_config(tmp_path, dist_data, "bsp", {"sync": "bsp"})
+    gssp = write_config(
+        tmp_path, dist_data, "gssp4", {"sync": "gssp", "groups": [[0, 1], [2, 3]], "staleness": 1, "compression": "fixed", "bits": 4}
+    )
+    for path, straggler in ((bsp, "3:2"), (gssp, "3:2")):
+        proc = medseg("train", "--config", str(path), "--np", "4", "--straggler", straggler)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    a = read_metrics(tmp_path / "runs" / "bsp" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "runs" / "gssp4" / "metrics.jsonl")
+    assert [r["epoch"] for r in b] == [1, 2, 3]
+    assert b[-1]["dist_groups"] == [[0, 1], [2, 3]]
+    assert b[-1]["val_dice"] >= a[-1]["val_dice"] - 0.05, (a[-1]["val_dice"], b[-1]["val_dice"])
+    assert max(r["dist_max_staleness"] for r in b) <= 1
+    steps = [json.loads(line) for r in range(4) for line in (tmp_path / "runs" / "gssp4" / "ranks" / f"rank-{r}.jsonl").read_text().splitlines()]
+    seen = [s["staleness"] for s in steps if s.get("staleness") is not None]
+    assert seen and max(seen) <= 1
+    assert b[-1]["dist_bytes_per_step"] < a[-1]["dist_bytes_per_step"]
+    assert (tmp_path / "runs" / "gssp4" / "bundle" / "models" / "model.pt").is_file()
+    assert not list((tmp_path / "runs" / "gssp4").glob("checkpoints/.*"))  # no half-written files
+
+
+def _wait_for(path: Path, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert time.time() < deadline, f"{path} did not appear in {timeout} s"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_dead_or_hung_rank_stops_the_job_naming_it(dist_data: Path, tmp_path: Path, fault: str) -> None:
+    config = write_config(tmp_path, dist_data, "faulty", {"sync": "bsp", "timeout_s": 20}, epochs=30)
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
+    job = subprocess.Popen(
+        [str(BIN / "medseg"), "train", "--config", str(config), "--np", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+    )
+    run = tmp_path / "runs" / "faulty"
+    try:
+        _wait_for(run / "checkpoints" / "last.pt", 240)
+        pid = int((run / "ranks" / "rank-1.pid").read_text())
+        tic = time.time()
+        os.kill(pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        out, err = job.communicate(timeout=180)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 2, err[-2000:]
+    assert "rank 1" in err and "Traceback" not in err.split("error:")[-1]
+    assert time.time() - tic < 20 + 60
+    epoch = load_checkpoint(run / "checkpoints" / "last.pt")["epoch"]  # intact: loads with weights_only
+    assert epoch >= 1
+    proc = medseg("train", "--config", str(config), "--np", "2", "--resume", "train.epochs=" + str(epoch + 1))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert read_metrics(run / "metrics.jsonl")[-1]["epoch"] == epoch + 1
