@@ -41,9 +41,21 @@ def _config(name: str, dist: dict[str, Any], data_dir: Path, runs_dir: Path, epo
             "task": "segmentation",
             "runs_dir": str(runs_dir),
             "data": {"dir": str(data_dir), "val_fraction": 0.2, "cache": "memory"},
-            "transforms": {"spacing": [1.6, 1.6, 2.4], "window": [-150, 250], "patch": [16, 16, 16], "num_samples": 2},
+            "transforms": {
+                "spacing": [1.6, 1.6, 2.4],
+                "window": [-150, 250],
+                "patch": [16, 16, 16],
+                "num_samples": 2,
+            },
             "model": {"name": "unet", "channels": [8, 16, 32], "strides": [2, 2], "num_res_units": 1},
-            "train": {"epochs": epochs, "batch_size": 1, "lr": 0.005, "seed": 0, "threads": 1, "scheduler": "none"},
+            "train": {
+                "epochs": epochs,
+                "batch_size": 1,
+                "lr": 0.005,
+                "seed": 0,
+                "threads": 1,
+                "scheduler": "none",
+            },
             "dist": {"timeout_s": 120, "profile_steps": 2, **dist},
         }
     )
@@ -78,11 +90,21 @@ def bench_comm(workdir: Path, quick: bool = False, np_: int = 4, straggler: str 
             "max_staleness": max(r["dist_max_staleness"] for r in records),
             "staleness_bound": dist.get("staleness") if dist["sync"] == "gssp" else 0,
             "groups": records[-1]["dist_groups"],
-            "curve": [(sum(x["dist_epoch_s"] for x in records[: i + 1]), r.get("val_dice")) for i, r in enumerate(records)],
+            "curve": [
+                (sum(x["dist_epoch_s"] for x in records[: i + 1]), r.get("val_dice"))
+                for i, r in enumerate(records)
+            ],
             "job_s": time.perf_counter() - tic,
         }
         log.info("%s: %s", name, {k: v for k, v in results[name].items() if k != "curve"})
-    return {"np": np_, "straggler": straggler, "epochs": epochs, "cases": cases, "quick": quick, "configs": results}
+    return {
+        "np": np_,
+        "straggler": straggler,
+        "epochs": epochs,
+        "cases": cases,
+        "quick": quick,
+        "configs": results,
+    }
 
 
 def ratios(result: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -122,8 +144,14 @@ def check_targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
         ("gssp-fixed4 samples/s >= 1.5x bsp-none", q["gssp-fixed4"]["speed_x"] >= 1.5),
         ("bsp-fixed4 bytes/step <= 1/7 of bsp-none", q["bsp-fixed4"]["bytes_vs_fp32"] <= 1 / 7),
         ("bsp-fixed4 bytes/step <= 1/3.5 of bsp-fp16", q["bsp-fixed4"]["bytes_vs_fp16"] <= 1 / 3.5),
-        *[(f"{n} Dice >= bsp-none - 0.02", q[n]["dice_delta"] >= -0.02) for n in ("gssp", "bsp-fixed4", "gssp-fixed4")],
-        *[(f"{n} max staleness <= s", c[n]["max_staleness"] <= c[n]["staleness_bound"]) for n in ("gssp", "gssp-fixed4")],
+        *[
+            (f"{n} Dice >= bsp-none - 0.02", q[n]["dice_delta"] >= -0.02)
+            for n in ("gssp", "bsp-fixed4", "gssp-fixed4")
+        ],
+        *[
+            (f"{n} max staleness <= s", c[n]["max_staleness"] <= c[n]["staleness_bound"])
+            for n in ("gssp", "gssp-fixed4")
+        ],
     ]
 
 

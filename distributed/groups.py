@@ -424,7 +424,9 @@ class ShareSampler(torch.utils.data.Sampler[int]):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        indices = rank_share_indices(self.n_samples, self.groups, self.shares, self.rank, self.epoch, self.seed)
+        indices = rank_share_indices(
+            self.n_samples, self.groups, self.shares, self.rank, self.epoch, self.seed
+        )
         return iter(indices[: self.limit])
 
     def __len__(self) -> int:

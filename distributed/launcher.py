@@ -79,25 +79,46 @@ def _heartbeats(ranks_dir: Path, np_: int) -> dict[int, float]:
 
 
 def launch(
-    cfg: Config, config_path: Path, overrides: list[str], np_: int, hosts: str | None, resume: bool, straggler: str | None
+    cfg: Config,
+    config_path: Path,
+    overrides: list[str],
+    np_: int,
+    hosts: str | None,
+    resume: bool,
+    straggler: str | None,
 ) -> None:
     """Run the job on ``np_`` ranks; raise RunError naming the rank when one fails or hangs."""
     if np_ < 1:
         raise ConfigError("--np: needs at least 1 rank")
     if cfg.dist.sync == "none":
-        raise ConfigError("dist.sync: 'none' trains in one process; pick bsp, gssp, ssp or local-sgd for --np")
+        raise ConfigError(
+            "dist.sync: 'none' trains in one process; pick bsp, gssp, ssp or local-sgd for --np"
+        )
     last = cfg.run_dir / "checkpoints" / "last.pt"
     if not resume and last.exists():
-        raise RunError(f"{cfg.run_dir}: already holds a run; pass --resume to continue it, or name=<new name> to start another")
+        raise RunError(
+            f"{cfg.run_dir}: already holds a run; pass --resume to continue it, or name=<new name> to start another"
+        )
     ranks_dir = cfg.run_dir / "ranks"
     shutil.rmtree(ranks_dir, ignore_errors=True)
     ranks_dir.mkdir(parents=True)
     timeout = cfg.dist.timeout_s
-    cmd = [horovodrun_path(), "-np", str(np_), "-H", parse_hosts(hosts, np_), "--gloo", "--start-timeout", "60"]
+    cmd = [
+        horovodrun_path(),
+        "-np",
+        str(np_),
+        "-H",
+        parse_hosts(hosts, np_),
+        "--gloo",
+        "--start-timeout",
+        "60",
+    ]
     cmd += worker_command(config_path, overrides, resume, straggler)
     env = dict(os.environ, **{WORKER_ENV: "1", "PYTHONUNBUFFERED": "1"})
     log.info("launching %d ranks: %s", np_, " ".join(cmd))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     first_failure: list[int] = []  # [rank, exit code] of the first rank horovodrun saw fail
 
     def pump() -> None:
@@ -142,7 +163,9 @@ def launch(
     if proc.returncode != 0:
         if first_failure:
             rank, code = first_failure[0], first_failure[1] if len(first_failure) > 1 else None
-            what = f"rank {rank} exited with status {code}" + (" (killed)" if code in (-9, 137, -15, 143) else "")
+            what = f"rank {rank} exited with status {code}" + (
+                " (killed)" if code in (-9, 137, -15, 143) else ""
+            )
         else:
             what = f"horovodrun exited with status {proc.returncode}"
         raise RunError(f"{what}; the other ranks were stopped. {_checkpoint_note(last)}; {resume_hint}")

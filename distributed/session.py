@@ -35,7 +35,9 @@ class LocalSession:
     def prepare(self, profile_step: Callable[[], int]) -> None:
         """Nothing to measure in one process."""
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: torch.nn.Module
+    ) -> torch.optim.Optimizer:
         return optimizer
 
     def sampler(self, n_items: int, batch_size: int, seed: int) -> None:
@@ -123,11 +125,16 @@ class HorovodSession(LocalSession):
         for group in self.groups:  # every rank registers every set, in the same order
             ps = hvd.add_process_set(group) if 1 < len(group) < self.size else None
             if self.rank in group:
-                self.group_set = ps if ps is not None else (hvd.global_process_set if len(group) == self.size else None)
+                self.group_set = (
+                    ps if ps is not None else (hvd.global_process_set if len(group) == self.size else None)
+                )
         if self.is_chief:
             log.info(
                 "sync %s: groups %s, rounds of %s steps, measured samples/s %s",
-                d.sync, self.groups, self.periods, [round(v, 2) for v in self.speeds] or "not measured",
+                d.sync,
+                self.groups,
+                self.periods,
+                [round(v, 2) for v in self.speeds] or "not measured",
             )
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
@@ -141,10 +148,16 @@ class HorovodSession(LocalSession):
         elif d.sync == "local-sgd":
             self.optimizer = LocalSGD(optimizer, model, d.period)
         else:
-            group = self.groups[self.group_index]
             self.optimizer = GroupStale(
-                optimizer, model, self.group_set, len(group), self.periods[self.group_index], d.staleness,
-                d.dc_lambda, d.compression, d.bits, single_group=len(self.groups) == 1,
+                optimizer,
+                model,
+                self.groups,
+                self.group_set,
+                self.periods[self.group_index],
+                d.staleness,
+                d.dc_lambda,
+                d.compression,
+                d.bits,
             )
         return self.optimizer
 
@@ -163,7 +176,9 @@ class HorovodSession(LocalSession):
                 f"(groups {self.groups}, periods {self.periods}); lower train.batch_size or use more data"
             )
         take = rounds * self.periods[self.group_index] * batch_size
-        return ShareSampler(n_items, self.groups, [w / sum(weights) for w in weights], self.rank, seed=seed, limit=take)
+        return ShareSampler(
+            n_items, self.groups, [w / sum(weights) for w in weights], self.rank, seed=seed, limit=take
+        )
 
     # -- per step -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -177,7 +192,13 @@ class HorovodSession(LocalSession):
     def after_step(self, epoch: int, step: int, n_samples: int) -> None:
         stats = self.optimizer.stats
         self.epoch_samples += n_samples
-        record = {"t": round(time.time(), 3), "epoch": epoch, "step": step, "staleness": stats.last_staleness, "bytes": stats.bytes_sent}
+        record = {
+            "t": round(time.time(), 3),
+            "epoch": epoch,
+            "step": step,
+            "staleness": stats.last_staleness,
+            "bytes": stats.bytes_sent,
+        }
         self._beat_file.write(json.dumps(record) + "\n")
 
     def start_epoch(self) -> None:
@@ -189,8 +210,13 @@ class HorovodSession(LocalSession):
         stats = optimizer.stats
         wall = time.perf_counter() - self.epoch_tic
         mine = {
-            "samples": self.epoch_samples, "steps": stats.steps, "bytes": stats.bytes_sent, "wait_s": stats.wait_s,
-            "max_staleness": max(stats.staleness, default=0), "wall_s": wall, "slept_s": self.straggler.slept_s,
+            "samples": self.epoch_samples,
+            "steps": stats.steps,
+            "bytes": stats.bytes_sent,
+            "wait_s": stats.wait_s,
+            "max_staleness": max(stats.staleness, default=0),
+            "wall_s": wall,
+            "slept_s": self.straggler.slept_s,
         }
         everyone = self.hvd.allgather_object(mine)
         stats.reset()
@@ -224,5 +250,3 @@ def open_session(cfg: Config, straggler: str | None = None) -> LocalSession:
 def epoch_seed(seed: int, epoch: int, rank: int) -> int:
     """Seed of a rank's random draws in an epoch (distinct per rank, repeatable per run)."""
     return (seed * 100_003 + epoch * 1_009 + rank) % (2**31) if rank else (seed * 100_003 + epoch) % (2**31)
-
-

@@ -23,6 +23,11 @@ about the same wall time (period_g = per-rank speed of g / per-rank speed of the
                Δ' = Δ + λ_dc Δ⊙Δ⊙(w_now − w_then), w_then being this rank's w when round r was
                submitted. At the end of an epoch every pending round is applied and all ranks
                average w, so every rank starts the next epoch (and validates) with one model.
+               With ``compression: fixed`` the round travels as fixed-bit codes instead: each
+               group's first rank encodes Δ_g layer by layer with an error-feedback residual (what
+               a round does not carry is added to the next) and an asynchronous ``allgather``
+               (uint8) delivers the G encodings; Δ_g is then the decoded value, the same on every
+               rank, so Σ_h Δ_h − Δ_g is exact.
 ``ssp``        gssp with one rank per group.
 ``local-sgd``  every rank steps alone; every ``period`` steps all ranks average w.
 
@@ -42,6 +47,7 @@ import horovod.torch as hvd
 import torch
 
 from medseg.distributed.collectives import CompressedAllreduce
+from medseg.distributed.compression import ErrorFeedback, decode, encoded_nbytes
 
 ring_allreduce_bytes = CompressedAllreduce.ring_allreduce_bytes
 
@@ -110,20 +116,31 @@ class GroupAverage:
     """Averages gradients over a process set every step: Horovod's own optimizer, or fixed-bit codes."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, process_set: Any, compression: str, bits: int
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        process_set: Any,
+        compression: str,
+        bits: int,
     ) -> None:
         self.size = process_set.size() if process_set is not None else 1
         self.fixed = None
         self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if self.size > 1 and compression == "fixed":
-            self.fixed = CompressedAllreduce(bits, process_set=process_set, name=f"grad.ps{process_set.process_set_id}")
+            self.fixed = CompressedAllreduce(
+                bits, process_set=process_set, name=f"grad.ps{process_set.process_set_id}"
+            )
             self.optimizer = optimizer
         elif self.size > 1:
             comp = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
             self.elem = 2 if compression == "fp16" else 4
             self.optimizer = hvd.DistributedOptimizer(
-                optimizer, named_parameters=model.named_parameters(), compression=comp, op=hvd.Average, process_set=process_set
+                optimizer,
+                named_parameters=model.named_parameters(),
+                compression=comp,
+                op=hvd.Average,
+                process_set=process_set,
             )
         else:
             self.optimizer = optimizer
@@ -144,7 +161,9 @@ class GroupAverage:
 class BulkSynchronous(SyncedOptimizer):
     """``bsp``: every step, gradients averaged over all ranks."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, compression: str, bits: int) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, compression: str, bits: int
+    ) -> None:
         super().__init__(optimizer, model)
         self.average = GroupAverage(optimizer, model, hvd.global_process_set, compression, bits)
         self.optimizer = self.average.optimizer
@@ -161,24 +180,31 @@ class GroupStale(SyncedOptimizer):
         self,
         optimizer: torch.optim.Optimizer,
         model: torch.nn.Module,
+        groups: list[list[int]],
         group_set: Any,
-        group_size: int,
         period: int,
         staleness: int,
         dc_lambda: float,
         compression: str,
         bits: int,
-        single_group: bool,
+        exchange: bool | None = None,
     ) -> None:
         super().__init__(optimizer, model)
+        self.groups = groups
+        group = next(g for g in groups if hvd.rank() in g)
         self.average = GroupAverage(optimizer, model, group_set, compression, bits)
         self.optimizer = self.average.optimizer
-        self.group_size, self.period, self.bound, self.dc_lambda = group_size, period, staleness, dc_lambda
-        self.single_group = single_group
+        self.group_size, self.period, self.bound, self.dc_lambda = len(group), period, staleness, dc_lambda
+        self.leader = hvd.rank() == min(group)
+        # With one group there is nobody to exchange with; ``exchange=True`` runs the machinery anyway (tests).
+        self.single_group = not (len(groups) > 1 if exchange is None else exchange)
         self.local_steps = 0
         self.rounds = 0  # rounds submitted by this group
         self.anchor = flat(self.params).clone()
         self.pending: collections.deque = collections.deque()
+        self.coded = ErrorFeedback(bits) if compression == "fixed" else None
+        self.bits = bits
+        self.layer_sizes = [p.numel() for p in self.params]
 
     def step(self) -> None:
         self.stats.bytes_sent += self.average.step()
@@ -192,25 +218,47 @@ class GroupStale(SyncedOptimizer):
         # The bound: round r may be applied no later than when round r + s is submitted.
         while self.pending and self.pending[0][0] <= self.rounds - 1 - self.bound:
             tic = time.perf_counter()
-            entry = self.pending.popleft()
-            hvd.synchronize(entry[1])
+            self._apply(self.pending.popleft())  # blocks in synchronize until the slowest group submitted
             self.stats.wait_s += time.perf_counter() - tic
-            self._apply(entry)
 
     def _submit(self) -> None:
         w = flat(self.params)
         own = w - self.anchor
-        buf = own / self.group_size
-        handle = hvd.allreduce_async_(buf, op=hvd.Sum, name=f"gssp.round{self.rounds}")
+        name = f"gssp.round{self.rounds}"
+        if self.coded is None:
+            buf = own / self.group_size
+            handle = hvd.allreduce_async_(buf, op=hvd.Sum, name=name)
+            self.stats.bytes_sent += ring_allreduce_bytes(self.numel, 4, hvd.size())
+        else:
+            codes, own = self.coded.compress_chunks("delta", own, self.layer_sizes)
+            buf = torch.cat(codes) if self.leader else torch.empty(0, dtype=torch.uint8)
+            handle = hvd.allgather_async(buf, name=name)
+            self.stats.bytes_sent += self._allgather_bytes()
         self.pending.append((self.rounds, handle, buf, own, w.clone() if self.dc_lambda else None))
         self.anchor = w.clone()
         self.rounds += 1
-        self.stats.bytes_sent += ring_allreduce_bytes(self.numel, 4, hvd.size())
+
+    def _allgather_bytes(self) -> int:
+        """Ring allgather: a rank forwards every block but its successor's; only leaders' blocks are non-empty."""
+        n, me = hvd.size(), hvd.rank()
+        block = encoded_nbytes_total(self.layer_sizes, self.bits)
+        return sum(block for leader in (min(g) for g in self.groups) if leader != (me + 1) % n)
+
+    def _received(self, handle: Any, buf: torch.Tensor) -> torch.Tensor:
+        """The sum over groups of what they submitted in a round."""
+        if self.coded is None:
+            hvd.synchronize(handle)  # the sum lands in ``buf`` (in-place allreduce)
+            return buf
+        gathered = hvd.synchronize(handle)
+        block = encoded_nbytes_total(self.layer_sizes, self.bits)
+        total = torch.zeros(self.numel)
+        for start in range(0, gathered.numel(), block):
+            total += decode_layers(gathered[start : start + block], self.layer_sizes, self.bits)
+        return total
 
     def _apply(self, entry: tuple) -> None:
-        r, handle, total, own, w_then = entry
-        hvd.synchronize(handle)  # the sum lands in ``total`` (in-place allreduce)
-        others = total - own
+        r, handle, buf, own, w_then = entry
+        others = self._received(handle, buf) - own
         tau = self.rounds - 1 - r
         if self.dc_lambda and w_then is not None:
             others = others + self.dc_lambda * others * others * (flat(self.params) - w_then)
@@ -246,6 +294,20 @@ class LocalSGD(SyncedOptimizer):
 
     def end_epoch(self) -> None:
         average_parameters(self.params)
+
+
+def encoded_nbytes_total(sizes: list[int], bits: int) -> int:
+    return sum(encoded_nbytes(n, bits) for n in sizes)
+
+
+def decode_layers(buf: torch.Tensor, sizes: list[int], bits: int) -> torch.Tensor:
+    """Decode a concatenation of per-layer encodings into one flat float32 vector."""
+    out, offset = [], 0
+    for n in sizes:
+        size = encoded_nbytes(n, bits)
+        out.append(decode(buf[offset : offset + size], bits, n))
+        offset += size
+    return torch.cat(out)
 
 
 def average_parameters(params: list[torch.nn.Parameter]) -> None:

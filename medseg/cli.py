@@ -167,9 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue the run named by the config from its last checkpoint"
     )
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
-    s.add_argument("--np", type=int, help="train on N ranks under horovodrun (needs dist.sync other than none)")
+    s.add_argument(
+        "--np", type=int, help="train on N ranks under horovodrun (needs dist.sync other than none)"
+    )
     s.add_argument("--hosts", help="HOST:SLOTS,... for --np across servers (default localhost:N)")
-    s.add_argument("--straggler", metavar="RANK:FACTOR", help="slow one rank down by FACTOR (tests and benchmarks)")
+    s.add_argument(
+        "--straggler", metavar="RANK:FACTOR", help="slow one rank down by FACTOR (tests and benchmarks)"
+    )
     s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.epochs=5")
     s.set_defaults(func=_train)
 
@@ -177,8 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = bench.add_parser("comm", help="synchronisation modes vs plain Horovod, 4 ranks, one 2x straggler")
     s.add_argument("--quick", action="store_true", help="fewer cases and epochs (about 5 minutes on 2 cores)")
     s.add_argument("--json", type=Path, required=True, help="write the results here")
-    s.add_argument("--markdown", type=Path, help="update this markdown file's comm section (e.g. docs/benchmarks.md)")
-    s.add_argument("--workdir", type=Path, default=Path("runs/bench-comm"), help="data and runs of the benchmark")
+    s.add_argument(
+        "--markdown", type=Path, help="update this markdown file's comm section (e.g. docs/benchmarks.md)"
+    )
+    s.add_argument(
+        "--workdir", type=Path, default=Path("runs/bench-comm"), help="data and runs of the benchmark"
+    )
     s.set_defaults(func=_bench_comm)
 
     s = sub.add_parser("evaluate", help="score a trained run in original geometry")

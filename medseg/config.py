@@ -198,9 +198,13 @@ def _check(cfg: Config) -> None:
         raise ConfigError("train.lr: must be positive")
     d = cfg.dist
     if d.staleness < 0 or d.period < 1 or d.timeout_s <= 0 or d.profile_steps < 1 or d.num_groups < 0:
-        raise ConfigError("dist: staleness >= 0, period >= 1, timeout_s > 0, profile_steps >= 1 and num_groups >= 0 are required")
+        raise ConfigError(
+            "dist: staleness >= 0, period >= 1, timeout_s > 0, profile_steps >= 1 and num_groups >= 0 are required"
+        )
     if d.compression == "fp16" and d.sync != "bsp":
-        raise ConfigError(f"dist.compression: fp16 is Horovod's own compressor and works with sync: bsp only, not {d.sync}")
+        raise ConfigError(
+            f"dist.compression: fp16 is Horovod's own compressor and works with sync: bsp only, not {d.sync}"
+        )
     if not cfg.name or "/" in cfg.name or cfg.name.startswith("."):
         raise ConfigError(f"name: {cfg.name!r} is not a usable run folder name")
 

@@ -172,7 +172,9 @@ def _train(
     amp_dtype = torch.bfloat16 if use_amp and torch.cuda.is_bf16_supported() else torch.float16
     scaler = torch.amp.GradScaler("cuda", enabled=use_amp and amp_dtype == torch.float16)
     if scaler.is_enabled() and session.size > 1:
-        raise ConfigError("train.amp: this GPU has no bf16 and fp16 loss scaling is single-process only; set train.amp=false")
+        raise ConfigError(
+            "train.amp: this GPU has no bf16 and fp16 loss scaling is single-process only; set train.amp=false"
+        )
 
     start, best, best_epoch = 1, -math.inf, None
     records = read_metrics(metrics_path)

@@ -24,7 +24,16 @@ BIN = Path(sys.executable).parent
 
 def horovodrun(np_: int, script: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
-    cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", sys.executable, str(ROOT / script)]
+    cmd = [
+        str(BIN / "horovodrun"),
+        "-np",
+        str(np_),
+        "-H",
+        f"localhost:{np_}",
+        "--gloo",
+        sys.executable,
+        str(ROOT / script),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
@@ -34,9 +43,22 @@ def write_config(tmp_path: Path, data: Path, name: str, dist: dict, epochs: int 
         "task": "segmentation",
         "runs_dir": str(tmp_path / "runs"),
         "data": {"dir": str(data), "val_fraction": 0.25, "cache": "memory"},
-        "transforms": {"spacing": [1.6, 1.6, 2.4], "window": [-150, 250], "patch": [16, 16, 16], "num_samples": 2},
+        "transforms": {
+            "spacing": [1.6, 1.6, 2.4],
+            "window": [-150, 250],
+            "patch": [16, 16, 16],
+            "num_samples": 2,
+        },
         "model": {"name": "unet", "channels": [8, 16, 32], "strides": [2, 2], "num_res_units": 1},
-        "train": {"epochs": epochs, "batch_size": 1, "lr": 0.01, "seed": 0, "threads": 1, "scheduler": "none", **train},
+        "train": {
+            "epochs": epochs,
+            "batch_size": 1,
+            "lr": 0.01,
+            "seed": 0,
+            "threads": 1,
+            "scheduler": "none",
+            **train,
+        },
         "dist": {"timeout_s": 60, "profile_steps": 2, **dist},
     }
     path = tmp_path / f"{name}.yaml"
@@ -46,7 +68,9 @@ def write_config(tmp_path: Path, data: Path, name: str, dist: dict, epochs: int 
 
 def medseg(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
-    return subprocess.run([str(BIN / "medseg"), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [str(BIN / "medseg"), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +90,10 @@ def test_gssp_one_group_staleness_zero_equals_plain_horovod(np_: int) -> None:
 def test_gssp_fixed4_trains_like_bsp_and_keeps_the_staleness_bound(dist_data: Path, tmp_path: Path) -> None:
     bsp = write_config(tmp_path, dist_data, "bsp", {"sync": "bsp"})
     gssp = write_config(
-        tmp_path, dist_data, "gssp4", {"sync": "gssp", "groups": [[0, 1], [2, 3]], "staleness": 1, "compression": "fixed", "bits": 4}
+        tmp_path,
+        dist_data,
+        "gssp4",
+        {"sync": "gssp", "groups": [[0, 1], [2, 3]], "staleness": 1, "compression": "fixed", "bits": 4},
     )
     for path, straggler in ((bsp, "3:2"), (gssp, "3:2")):
         proc = medseg("train", "--config", str(path), "--np", "4", "--straggler", straggler)
@@ -77,7 +104,11 @@ def test_gssp_fixed4_trains_like_bsp_and_keeps_the_staleness_bound(dist_data: Pa
     assert b[-1]["dist_groups"] == [[0, 1], [2, 3]]
     assert b[-1]["val_dice"] >= a[-1]["val_dice"] - 0.05, (a[-1]["val_dice"], b[-1]["val_dice"])
     assert max(r["dist_max_staleness"] for r in b) <= 1
-    steps = [json.loads(line) for r in range(4) for line in (tmp_path / "runs" / "gssp4" / "ranks" / f"rank-{r}.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line)
+        for r in range(4)
+        for line in (tmp_path / "runs" / "gssp4" / "ranks" / f"rank-{r}.jsonl").read_text().splitlines()
+    ]
     seen = [s["staleness"] for s in steps if s.get("staleness") is not None]
     assert seen and max(seen) <= 1
     assert b[-1]["dist_bytes_per_step"] < a[-1]["dist_bytes_per_step"]
@@ -97,7 +128,12 @@ def test_dead_or_hung_rank_stops_the_job_naming_it(dist_data: Path, tmp_path: Pa
     config = write_config(tmp_path, dist_data, "faulty", {"sync": "bsp", "timeout_s": 20}, epochs=30)
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
     job = subprocess.Popen(
-        [str(BIN / "medseg"), "train", "--config", str(config), "--np", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+        [str(BIN / "medseg"), "train", "--config", str(config), "--np", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
     )
     run = tmp_path / "runs" / "faulty"
     try:

@@ -15,10 +15,16 @@ from medseg.distributed.sync import GroupStale, flat
 def model_and_data(seed: int) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
     torch.manual_seed(0)  # same initial weights on every rank
     model = torch.nn.Sequential(
-        torch.nn.Conv3d(1, 4, 3, padding=1), torch.nn.InstanceNorm3d(4), torch.nn.PReLU(), torch.nn.Conv3d(4, 2, 1)
+        torch.nn.Conv3d(1, 4, 3, padding=1),
+        torch.nn.InstanceNorm3d(4),
+        torch.nn.PReLU(),
+        torch.nn.Conv3d(4, 2, 1),
     )
     g = torch.Generator().manual_seed(seed)  # a different batch stream per rank
-    data = [(torch.randn(2, 1, 8, 8, 8, generator=g), torch.randint(0, 2, (2, 8, 8, 8), generator=g)) for _ in range(6)]
+    data = [
+        (torch.randn(2, 1, 8, 8, 8, generator=g), torch.randint(0, 2, (2, 8, 8, 8), generator=g))
+        for _ in range(6)
+    ]
     return model, data
 
 
@@ -28,7 +34,9 @@ def train(kind: str) -> torch.Tensor:
     if kind == "horovod":  # plain Horovod, as a user would write it
         wrapped = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     else:  # the full GSSP machinery: rounds submitted, polled and applied, end-of-epoch average
-        wrapped = GroupStale(opt, model, hvd.global_process_set, hvd.size(), 1, 0, 0.0, "none", 4, single_group=False)
+        wrapped = GroupStale(
+            opt, model, [list(range(hvd.size()))], hvd.global_process_set, 1, 0, 0.0, "none", 4, exchange=True
+        )
     for x, y in data:
         wrapped.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
