@@ -115,6 +115,7 @@ def launch(
     ]
     cmd += worker_command(config_path, overrides, resume, straggler)
     env = dict(os.environ, **{WORKER_ENV: "1", "PYTHONUNBUFFERED": "1"})
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")  # N copies of library noise
     log.info("launching %d ranks: %s", np_, " ".join(cmd))
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True

@@ -83,6 +83,7 @@ class HorovodSession(LocalSession):
         self.group_index = 0
         self.group_set = hvd.global_process_set
         self.speeds: list[float] = []
+        self.compute_s = 0.0
         ranks_dir = cfg.run_dir / "ranks"
         ranks_dir.mkdir(parents=True, exist_ok=True)
         self.beat_path = ranks_dir / f"rank-{self.rank}.jsonl"
@@ -98,17 +99,11 @@ class HorovodSession(LocalSession):
         """Measure every rank's samples/s, form groups and their periods, register process sets."""
         hvd, d = self.hvd, self.dist
         if d.sync in ("gssp", "ssp"):
-            hvd.barrier()  # time every rank over the same interval, all started
-            for _ in range(2):  # warm-up: first steps pay for allocation and lazy initialisation
-                with self.compute():
-                    profile_step()
-            rates = []
-            for _ in range(d.profile_steps):
-                tic = time.perf_counter()
-                with self.compute():
-                    n = profile_step()
-                rates.append(n / (time.perf_counter() - tic))
-            mine = sorted(rates)[len(rates) // 2]  # the median step resists one-off stalls
+            # All ranks are timed at once, after a barrier, under the same load as training itself
+            # (ranks sharing a machine slow each other down there too); the median of several steps
+            # resists one-off stalls.
+            hvd.barrier()
+            mine = self._time_steps(profile_step, d.profile_steps)
             self.speeds = [float(v) for v in hvd.allgather_object(mine)]
             if d.sync == "ssp":
                 self.groups = [[r] for r in range(self.size)]
@@ -118,9 +113,7 @@ class HorovodSession(LocalSession):
                 self.groups = choose_groups(self.speeds, k=d.num_groups or None)
             # Every rank must agree on the groups: rank 0's decision is the one used.
             self.groups = hvd.broadcast_object(self.groups, root_rank=0, name="medseg.groups")
-            per_rank = [sum(self.speeds[r] for r in g) / len(g) for g in self.groups]
-            slowest = min(per_rank)
-            self.periods = [max(1, round(v / slowest)) for v in per_rank]
+            self.periods = self._periods(self.speeds)
         self.group_index = next(i for i, g in enumerate(self.groups) if self.rank in g)
         for group in self.groups:  # every rank registers every set, in the same order
             ps = hvd.add_process_set(group) if 1 < len(group) < self.size else None
@@ -137,12 +130,32 @@ class HorovodSession(LocalSession):
                 [round(v, 2) for v in self.speeds] or "not measured",
             )
 
+    def _periods(self, speeds: list[float]) -> list[int]:
+        """Steps per round of each group: its mean per-rank speed over the slowest group's, rounded."""
+        per_rank = [sum(speeds[r] for r in g) / len(g) for g in self.groups]
+        return [max(1, round(v / min(per_rank))) for v in per_rank]
+
+    def _time_steps(self, profile_step: Callable[[], int], steps: int) -> float:
+        """Median samples/s of ``steps`` training steps after two warm-up steps."""
+        for _ in range(2):  # first steps pay for allocation and lazy initialisation
+            with self.compute():
+                profile_step()
+        rates = []
+        for _ in range(steps):
+            tic = time.perf_counter()
+            with self.compute():
+                n = profile_step()
+            rates.append(n / (time.perf_counter() - tic))
+        log.debug("rank %d profile rates %s", self.rank, [round(r, 2) for r in rates])
+        return sorted(rates)[len(rates) // 2]
+
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
         from medseg.distributed.sync import BulkSynchronous, GroupStale, LocalSGD
 
         hvd, d = self.hvd, self.dist
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        if optimizer.state:  # a resumed run; a fresh optimizer is the same everywhere (and Horovod
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)  # would take a zero-gradient step)
         if d.sync == "bsp":
             self.optimizer = BulkSynchronous(optimizer, model, d.compression, d.bits)
         elif d.sync == "local-sgd":
@@ -183,8 +196,10 @@ class HorovodSession(LocalSession):
     # -- per step -------------------------------------------------------------------------------
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
+        tic = time.perf_counter()
         with self.straggler:
             yield
+        self.compute_s += time.perf_counter() - tic
 
     def beat(self, what: str) -> None:
         self._beat_file.write(json.dumps({"t": round(time.time(), 3), "event": what}) + "\n")
@@ -202,7 +217,7 @@ class HorovodSession(LocalSession):
         self._beat_file.write(json.dumps(record) + "\n")
 
     def start_epoch(self) -> None:
-        self.epoch_samples, self.epoch_tic = 0, time.perf_counter()
+        self.epoch_samples, self.epoch_tic, self.compute_s = 0, time.perf_counter(), 0.0
 
     def end_epoch(self, optimizer: Any) -> dict[str, Any]:
         """Finish the epoch's synchronisation and gather its numbers (every rank calls this)."""
@@ -217,6 +232,7 @@ class HorovodSession(LocalSession):
             "max_staleness": max(stats.staleness, default=0),
             "wall_s": wall,
             "slept_s": self.straggler.slept_s,
+            "compute_s": self.compute_s,
         }
         everyone = self.hvd.allgather_object(mine)
         stats.reset()
@@ -228,6 +244,11 @@ class HorovodSession(LocalSession):
             "dist_max_staleness": max(r["max_staleness"] for r in everyone),
             "dist_wait_s": max(r["wait_s"] for r in everyone),
             "dist_groups": self.groups,
+            "dist_periods": self.periods,
+            # samples/s of each rank over its own compute (forward, backward, straggler sleep)
+            "dist_rank_speeds": [
+                round(r["samples"] / r["compute_s"], 3) if r["compute_s"] else None for r in everyone
+            ],
         }
 
     def close(self) -> None:

@@ -128,8 +128,10 @@ class GroupAverage:
         self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if self.size > 1 and compression == "fixed":
+            # Weights of 3D convolutions are compressed; biases and norm parameters (< 1024 values)
+            # travel exactly in one fused allreduce, where codes would save little.
             self.fixed = CompressedAllreduce(
-                bits, process_set=process_set, name=f"grad.ps{process_set.process_set_id}"
+                bits, process_set=process_set, min_numel=1024, name=f"grad.ps{process_set.process_set_id}"
             )
             self.optimizer = optimizer
         elif self.size > 1:
@@ -270,6 +272,7 @@ class GroupStale(SyncedOptimizer):
 
     def end_epoch(self) -> None:
         tic = time.perf_counter()
+        self.local_steps = 0  # an epoch holds whole rounds; the period may change for the next one
         while self.pending:
             self._apply(self.pending.popleft())
         if not self.single_group:

@@ -85,7 +85,7 @@ class DistConfig:
     compression: Literal["none", "fp16", "fixed"] = "none"
     bits: Literal[2, 4, 8] = 4  # compression: fixed
     timeout_s: float = 120.0  # a rank silent this long is declared hung and the job is stopped
-    profile_steps: int = 3  # steps timed per rank to measure speed for automatic groups
+    profile_steps: int = 8  # steps timed per rank (median) to measure speeds for groups and rounds
 
 
 @dataclass
