@@ -73,6 +73,27 @@ def _seg_case(
     return np.clip(np.round(image), -1024, 3071).astype(np.int16), labels.astype(np.uint8)
 
 
+def _finish(out: Path, name: str, task: str, description: str, labels: dict, training: list, test: list) -> Path:
+    """Write ``dataset.json`` for the cases already saved under ``out``."""
+    write_dataset_json(
+        out,
+        {
+            "name": name,
+            "description": description,
+            "task": task,
+            "tensorImageSize": "3D",
+            "modality": {"0": "CT"},
+            "labels": labels,
+            "numTraining": len(training),
+            "numTest": len(test),
+            "training": training,
+            "test": test,
+        },
+    )
+    log.info("wrote %d training and %d test cases to %s", len(training), len(test), out)
+    return out
+
+
 def make_seg_dataset(
     out_dir: str | Path,
     n_train: int = 16,
@@ -98,23 +119,8 @@ def make_seg_dataset(
         else:
             save_nifti(image, affine, out / "imagesTs" / name)
             test.append(f"./imagesTs/{name}")
-    write_dataset_json(
-        out,
-        {
-            "name": "SynthCT",
-            "description": f"medseg synthetic CT, seed {seed}: 2 blob classes in a body, 0.8x0.8x{spacing[2]:.1f} mm, LPS",
-            "task": "segmentation",
-            "tensorImageSize": "3D",
-            "modality": {"0": "CT"},
-            "labels": SEG_LABELS,
-            "numTraining": len(training),
-            "numTest": len(test),
-            "training": training,
-            "test": test,
-        },
-    )
-    log.info("wrote %d training and %d test cases to %s", len(training), len(test), out)
-    return out
+    description = f"medseg synthetic CT, seed {seed}: 2 blob classes in a body, 0.8x0.8x{spacing[2]:.1f} mm, LPS"
+    return _finish(out, "SynthCT", "segmentation", description, SEG_LABELS, training, test)
 
 
 def _cls_case(rs: np.random.RandomState, cls: int, size: int, noise: float) -> np.ndarray:
@@ -157,20 +163,5 @@ def make_cls_dataset(
         else:
             save_nifti(image, affine, out / "imagesTs" / name)
             test.append(f"./imagesTs/{name}")
-    write_dataset_json(
-        out,
-        {
-            "name": "SynthShapes",
-            "description": f"medseg synthetic shapes, seed {seed}: ball vs rotated cube of equal volume",
-            "task": "classification",
-            "tensorImageSize": "3D",
-            "modality": {"0": "CT"},
-            "labels": CLS_LABELS,
-            "numTraining": len(training),
-            "numTest": len(test),
-            "training": training,
-            "test": test,
-        },
-    )
-    log.info("wrote %d training and %d test cases to %s", len(training), len(test), out)
-    return out
+    description = f"medseg synthetic shapes, seed {seed}: ball vs rotated cube of equal volume"
+    return _finish(out, "SynthShapes", "classification", description, CLS_LABELS, training, test)

@@ -217,6 +217,9 @@ class HorovodSession(LocalSession):
         self._beat_file.write(json.dumps(record) + "\n")
 
     def start_epoch(self) -> None:
+        # Rank 0 validates between epochs while the others would run on and block in their first
+        # collective: start every rank's epoch clock together, so epoch times measure training.
+        self.hvd.barrier()
         self.epoch_samples, self.epoch_tic, self.compute_s = 0, time.perf_counter(), 0.0
 
     def end_epoch(self, optimizer: Any) -> dict[str, Any]:

@@ -18,6 +18,8 @@ pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup` (s
 from medseg.checkpoint import load_checkpoint  # noqa: E402
 from medseg.runlog import read_metrics  # noqa: E402
 
+from .conftest import tiny_seg_config  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -37,30 +39,11 @@ def horovodrun(np_: int, script: str, timeout: int = 300) -> subprocess.Complete
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def write_config(tmp_path: Path, data: Path, name: str, dist: dict, epochs: int = 3, **train) -> Path:
-    cfg = {
-        "name": name,
-        "task": "segmentation",
-        "runs_dir": str(tmp_path / "runs"),
-        "data": {"dir": str(data), "val_fraction": 0.25, "cache": "memory"},
-        "transforms": {
-            "spacing": [1.6, 1.6, 2.4],
-            "window": [-150, 250],
-            "patch": [16, 16, 16],
-            "num_samples": 2,
-        },
-        "model": {"name": "unet", "channels": [8, 16, 32], "strides": [2, 2], "num_res_units": 1},
-        "train": {
-            "epochs": epochs,
-            "batch_size": 1,
-            "lr": 0.01,
-            "seed": 0,
-            "threads": 1,
-            "scheduler": "none",
-            **train,
-        },
-        "dist": {"timeout_s": 60, "profile_steps": 2, **dist},
-    }
+def write_config(tmp_path: Path, data: Path, name: str, dist: dict, epochs: int = 3) -> Path:
+    """The tiny UNet of conftest, one volume per batch and rank, one thread per rank."""
+    cfg = tiny_seg_config(data, tmp_path / "runs", name=name, epochs=epochs, batch_size=1, threads=1, scheduler="none")
+    cfg = cfg.to_dict()
+    cfg["dist"].update({"timeout_s": 60, "profile_steps": 3, **dist})
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
