@@ -73,7 +73,7 @@ def _config(name: str, dist: dict[str, Any], data_dir: Path, runs_dir: Path, epo
 def bench_comm(workdir: Path, quick: bool = False, np_: int = 4, straggler: str = "3:2") -> dict[str, Any]:
     """Run every configuration; return ``{"configs": {NAME: {...}}, ...}``."""
     workdir.mkdir(parents=True, exist_ok=True)
-    cases, epochs = (64, 3) if quick else (128, 8)
+    cases, epochs = (40, 3) if quick else (128, 8)
     data_dir = make_seg_dataset(workdir / "data", n_train=cases, n_test=0, seed=7, size=48)
     runs_dir = workdir / "runs"
     results: dict[str, Any] = {}
