@@ -73,7 +73,9 @@ def _seg_case(
     return np.clip(np.round(image), -1024, 3071).astype(np.int16), labels.astype(np.uint8)
 
 
-def _finish(out: Path, name: str, task: str, description: str, labels: dict, training: list, test: list) -> Path:
+def _finish(
+    out: Path, name: str, task: str, description: str, labels: dict, training: list, test: list
+) -> Path:
     """Write ``dataset.json`` for the cases already saved under ``out``."""
     write_dataset_json(
         out,
@@ -119,7 +121,9 @@ def make_seg_dataset(
         else:
             save_nifti(image, affine, out / "imagesTs" / name)
             test.append(f"./imagesTs/{name}")
-    description = f"medseg synthetic CT, seed {seed}: 2 blob classes in a body, 0.8x0.8x{spacing[2]:.1f} mm, LPS"
+    description = (
+        f"medseg synthetic CT, seed {seed}: 2 blob classes in a body, 0.8x0.8x{spacing[2]:.1f} mm, LPS"
+    )
     return _finish(out, "SynthCT", "segmentation", description, SEG_LABELS, training, test)
 
 

@@ -41,7 +41,9 @@ def horovodrun(np_: int, script: str, timeout: int = 300) -> subprocess.Complete
 
 def write_config(tmp_path: Path, data: Path, name: str, dist: dict, epochs: int = 3) -> Path:
     """The tiny UNet of conftest, one volume per batch and rank, one thread per rank."""
-    cfg = tiny_seg_config(data, tmp_path / "runs", name=name, epochs=epochs, batch_size=1, threads=1, scheduler="none")
+    cfg = tiny_seg_config(
+        data, tmp_path / "runs", name=name, epochs=epochs, batch_size=1, threads=1, scheduler="none"
+    )
     cfg = cfg.to_dict()
     cfg["dist"].update({"timeout_s": 60, "profile_steps": 3, **dist})
     path = tmp_path / f"{name}.yaml"
