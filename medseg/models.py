@@ -119,4 +119,12 @@ def network_def(cfg: Config, out_channels: int, in_channels: int = 1) -> dict[st
 def build_network(definition: dict[str, Any]) -> torch.nn.Module:
     """Instantiate a ``network_def`` mapping with MONAI's bundle config parser."""
     parser = ConfigParser({"network_def": definition})
-    return parser.get_parsed_content("network_def", instantiate=True)
+    try:
+        return parser.get_parsed_content("network_def", instantiate=True)
+    except RuntimeError as exc:  # MONAI wraps the network's own complaint
+        cause = exc.__cause__ or exc
+        shown = {k: v for k, v in definition.items() if k != "_target_"}
+        raise ConfigError(
+            f"model: {definition['_target_']} cannot be built with {shown} ({type(cause).__name__}: {cause}); "
+            "check model.name, model.norm and the sizes"
+        ) from None

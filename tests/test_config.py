@@ -53,3 +53,19 @@ def test_overrides_parse_yaml_values() -> None:
     assert (cfg.train.epochs, cfg.transforms.patch, cfg.name) == (7, [16, 16, 16], "x")
     with pytest.raises(ConfigError, match="expected key=value"):
         apply_overrides({}, ["train.epochs"])
+
+
+def test_network_that_cannot_be_built_is_a_config_error() -> None:
+    from medseg.models import build_network
+
+    with pytest.raises(ConfigError, match="cannot be built"):
+        build_network(
+            {
+                "_target_": "monai.networks.nets.UNet",
+                "spatial_dims": 3,
+                "in_channels": 1,
+                "out_channels": 2,
+                "channels": [8],
+                "strides": [],
+            }
+        )
