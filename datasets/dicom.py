@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nibabel as nib
 import numpy as np
 import pydicom
 from monai.data import ImageReader
@@ -27,6 +26,7 @@ from pydicom.errors import InvalidDicomError
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
 from pydicom.valuerep import format_number_as_ds
 
+from medseg.datasets.nifti import save_nifti
 from medseg.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -444,16 +444,6 @@ def dicom_to_nifti(
     if not out_path.name.endswith((".nii", ".nii.gz")):
         raise DataError(f"{out_path} must end with .nii or .nii.gz")
     volume, affine, _ = read_dicom_series(dicom_dir, series_uid=series_uid, resample=resample)
-    img = nib.Nifti1Image(volume, affine)
-    img.set_sform(affine, code=1)
-    img.set_qform(affine, code=1)
-    img.header.set_xyzt_units("mm")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.parent / f".tmp-{out_path.name}"  # same suffix, so nibabel compresses .nii.gz
-    try:
-        nib.save(img, tmp)
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    save_nifti(volume, affine, out_path)
     logger.info("converted DICOM series in %s to %s", dicom_dir, out_path)
     return out_path

@@ -22,6 +22,7 @@ def save_nifti(array: np.ndarray, affine: np.ndarray, path: str | Path) -> Path:
     img = nib.Nifti1Image(np.asarray(array), np.asarray(affine, dtype=np.float64))
     img.set_sform(img.affine, code=1)
     img.set_qform(img.affine, code=1)
+    img.header.set_xyzt_units("mm")
     try:
         nib.save(img, str(tmp))
         os.replace(tmp, path)
