@@ -1,0 +1,129 @@
+"""The models the viewer offers: every MONAI bundle under the runs folder and under folders the user names.
+
+Listing reads only each bundle's ``configs/metadata.json`` and ``configs/inference.json``; the
+network itself is built by ``medseg.bundle.load_bundle`` when a model is chosen (the app caches
+that with ``st.cache_resource``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from medseg.bundle import find_bundle
+from medseg.errors import RunError
+
+log = logging.getLogger(__name__)
+
+NIFTI_GLOBS = ("*.nii.gz", "*.nii")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the model list shows about one bundle."""
+
+    bundle: Path
+    name: str
+    task: str  # "segmentation" or "classification"
+    network: str
+    labels: dict[int, str]
+    spacing: tuple[float, ...]
+    patch: tuple[int, ...]
+    window: tuple[float, ...]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    data_dir: str = ""
+    mtime: float = 0.0  # of models/model.pt: a retrained bundle is a new cache entry
+
+    @property
+    def title(self) -> str:
+        return f"{self.name} ({self.task})"
+
+
+def read_info(path: str | Path) -> ModelInfo:
+    """Describe the bundle at ``path`` (a run folder or a bundle folder) from its JSON files."""
+    root = find_bundle(path)
+    try:
+        meta = json.loads((root / "configs" / "metadata.json").read_text())
+        cfg = json.loads((root / "configs" / "inference.json").read_text())["medseg"]
+        mtime = (root / "models" / "model.pt").stat().st_mtime
+        return ModelInfo(
+            bundle=root.resolve(),
+            name=str(meta.get("name", root.parent.name)),
+            task=str(cfg["task"]),
+            network=str(cfg["model"]["name"]),
+            labels={int(k): str(v) for k, v in meta["medseg_labels"].items()},
+            spacing=tuple(float(v) for v in cfg["transforms"]["spacing"]),
+            patch=tuple(int(v) for v in cfg["transforms"]["patch"]),
+            window=tuple(float(v) for v in cfg["transforms"]["window"]),
+            metrics=dict(meta.get("medseg_metrics") or {}),
+            data_dir=str(cfg.get("data", {}).get("dir", "")),
+            mtime=mtime,
+        )
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise RunError(f"{root}: bundle metadata is incomplete ({type(e).__name__}: {e})") from None
+
+
+def list_models(folders: list[str | Path]) -> tuple[list[ModelInfo], list[str]]:
+    """Bundles found in ``folders`` (each a bundle, a run folder, or a folder of run folders).
+
+    Returns the models sorted by name and a list of problems (unreadable bundles, missing folders)
+    to show beside the list.
+    """
+    models: dict[Path, ModelInfo] = {}
+    problems: list[str] = []
+    for folder in folders:
+        folder = Path(folder).expanduser()
+        if not folder.is_dir():
+            problems.append(f"{folder}: no such folder")
+            continue
+        candidates = [folder, *sorted(p for p in folder.iterdir() if p.is_dir())]
+        for cand in candidates:
+            if not (
+                (cand / "configs" / "metadata.json").is_file()
+                or (cand / "bundle" / "configs" / "metadata.json").is_file()
+            ):
+                continue
+            try:
+                info = read_info(cand)
+            except RunError as e:
+                problems.append(str(e))
+                continue
+            models.setdefault(info.bundle, info)
+    return sorted(models.values(), key=lambda m: (m.name, str(m.bundle))), problems
+
+
+def demo_cases(info: ModelInfo, extra: list[str | Path] = (), limit: int = 20) -> list[Path]:
+    """NIfTI cases to try a model on: the test images (then training images) of its dataset.
+
+    The dataset folder recorded in the bundle may be relative to the folder the run was started
+    from; it is looked up relative to the working directory and to the runs folder's parent.
+    """
+    roots = [Path(info.data_dir)] if info.data_dir else []
+    if info.data_dir and not Path(info.data_dir).is_absolute():
+        roots.append(info.bundle.parent.parent.parent / info.data_dir)
+    roots += [Path(p) for p in extra]
+    found: list[Path] = []
+    for root in roots:
+        for sub in ("imagesTs", "imagesTr", "."):
+            d = root / sub
+            if not d.is_dir():
+                continue
+            for pattern in NIFTI_GLOBS:
+                for p in sorted(d.glob(pattern)):
+                    if p.resolve() not in {f.resolve() for f in found}:
+                        found.append(p)
+            if found:
+                break
+        if len(found) >= limit:
+            break
+    return found[:limit]
+
+
+def default_folders() -> list[Path]:
+    """``MEDSEG_APP_RUNS`` (os.pathsep-separated), else ``runs`` in the working directory."""
+    env = os.environ.get("MEDSEG_APP_RUNS", "")
+    return [Path(p) for p in env.split(os.pathsep) if p] or [Path("runs")]

@@ -1,0 +1,267 @@
+"""Uploaded files -> a loaded image, through ``medseg.infer.load_image`` (the path ``medseg infer`` reads with).
+
+An upload is one NIfTI file, one zip (of a DICOM series folder, or holding one NIfTI file), or
+several DICOM files. The bytes are written to a private temporary folder, read, and the folder is
+removed before returning: nothing is kept on disk and nothing leaves the machine. A DICOM upload
+that holds several series is listed first so the user can choose one.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pydicom
+from monai.data import MetaTensor
+from pydicom.dataset import Dataset
+
+from medseg.datasets.dicom import SeriesInfo, list_series
+from medseg.errors import DataError, MedsegError
+from medseg.infer import NIFTI_SUFFIXES, load_image
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MB = 1024
+MAX_ZIP_MEMBERS = 20_000
+
+
+def max_upload_mb() -> int:
+    """The upload size limit in MB (``MEDSEG_APP_MAX_UPLOAD_MB``, default 1024)."""
+    try:
+        return int(os.environ.get("MEDSEG_APP_MAX_UPLOAD_MB", DEFAULT_MAX_MB))
+    except ValueError:
+        return DEFAULT_MAX_MB
+
+
+@dataclass(frozen=True)
+class UploadedBytes:
+    """One uploaded file: its name as the browser gave it and its content."""
+
+    name: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class SeriesChoice:
+    """A series the user can choose, without patient identifiers."""
+
+    uid: str
+    description: str
+    modality: str
+    n_files: int
+
+    @property
+    def label(self) -> str:
+        text = f"{self.description or '(no description)'} · {self.modality or '?'} · {self.n_files} file(s)"
+        return f"{text} · …{self.uid[-8:]}"
+
+
+@dataclass
+class LoadResult:
+    """Either the loaded image, or the series to choose from before one can be loaded."""
+
+    image: MetaTensor | None
+    source: str  # "NIfTI" or "DICOM"
+    series: list[SeriesChoice]
+    # DICOM: the slice headers in the order of the volume's k axis, for a DICOM-SEG export
+    # (None for NIfTI and for series resampled onto a regular grid)
+    headers: list[Dataset] | None = None
+
+
+def _safe_name(name: str) -> str:
+    base = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(name.replace("\\", "/")).name).lstrip(".")
+    return base or "file"
+
+
+def _is_dicom(data: bytes) -> bool:
+    return len(data) >= 132 and data[128:132] == b"DICM"
+
+
+def _extract_zip(data: bytes, dest: Path, limit: int) -> list[Path]:
+    """Extract regular files of a zip under ``dest``, refusing zip bombs and paths that climb out."""
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(data))
+    except zipfile.BadZipFile as e:
+        raise DataError(f"the zip file cannot be opened ({e}); it may be truncated") from None
+    with zf:
+        members = [m for m in zf.infolist() if not m.is_dir()]
+        if len(members) > MAX_ZIP_MEMBERS:
+            raise DataError(f"the zip holds {len(members)} files; at most {MAX_ZIP_MEMBERS} are accepted")
+        total = sum(m.file_size for m in members)
+        if total > limit:
+            raise DataError(
+                f"the zip unpacks to {total / 2**20:.0f} MB, over the {limit / 2**20:.0f} MB upload limit"
+            )
+        out = []
+        for n, m in enumerate(members):
+            parts = [p for p in m.filename.replace("\\", "/").split("/") if p not in ("", ".", "..")]
+            if not parts or any(p.startswith(".") for p in parts) or parts[0] == "__MACOSX":
+                continue  # hidden files and macOS resource forks
+            # a numbered folder per member keeps names unique without trusting the archive's paths
+            target = dest / f"{n:05d}" / _safe_name(parts[-1])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with zf.open(m) as src, open(target, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            except (zipfile.BadZipFile, EOFError, zipfile.LargeZipFile, OSError) as e:
+                raise DataError(
+                    f"{m.filename} in the zip cannot be extracted ({e}); the zip may be truncated"
+                ) from None
+            out.append(target)
+    return out
+
+
+@contextmanager
+def staged(files: Sequence[UploadedBytes]) -> Iterator[tuple[str, Path]]:
+    """Write an upload into a temporary folder; yield ("NIfTI", file) or ("DICOM", folder).
+
+    The folder is removed on exit. Raises DataError for uploads that are neither.
+    """
+    if not files:
+        raise DataError("no file was uploaded")
+    limit = max_upload_mb() * 2**20
+    total = sum(len(f.data) for f in files)
+    if total > limit:
+        raise DataError(f"the upload is {total / 2**20:.0f} MB, over the {limit / 2**20:.0f} MB limit")
+    tmp = Path(tempfile.mkdtemp(prefix="medseg-upload-"))
+    try:
+        niftis = [f for f in files if f.name.lower().endswith(NIFTI_SUFFIXES)]
+        zips = [f for f in files if f.name.lower().endswith(".zip")]
+        if niftis or zips:
+            if len(files) > 1:
+                raise DataError(
+                    "upload one NIfTI file, one zip, or several DICOM files; "
+                    f"got {len(files)} files including {(niftis or zips)[0].name}"
+                )
+        if niftis:
+            path = tmp / _safe_name(files[0].name)
+            path.write_bytes(files[0].data)
+            yield "NIfTI", path
+            return
+        if zips:
+            extracted = _extract_zip(zips[0].data, tmp / "zip", limit)
+            inner = [p for p in extracted if p.name.lower().endswith(NIFTI_SUFFIXES)]
+            dicom = [p for p in extracted if _is_dicom(p.read_bytes()[:132])]
+            if len(inner) == 1 and not dicom:
+                yield "NIfTI", inner[0]
+                return
+            if len(inner) > 1:
+                raise DataError(f"the zip holds {len(inner)} NIfTI files; upload one at a time")
+            if not dicom:
+                raise DataError(
+                    f"{zips[0].name} holds no DICOM files and no NIfTI file; zip the folder of a DICOM series"
+                )
+            yield "DICOM", tmp / "zip"
+            return
+        folder = tmp / "dicom"
+        folder.mkdir()
+        for n, f in enumerate(files):
+            if not _is_dicom(f.data):
+                raise DataError(
+                    f"{f.name}: not a NIfTI file (.nii, .nii.gz), a zip, or a DICOM file "
+                    "(no DICM marker); upload a 3D image"
+                )
+            (folder / f"{n:05d}-{_safe_name(f.name)}").write_bytes(f.data)
+        yield "DICOM", folder
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tidy(message: str, root: Path) -> str:
+    """Replace temporary folder names in an error message with 'upload'."""
+    message = message.replace(str(root), "upload")
+    return re.sub(r"/tmp/medseg-upload-[^/\s]+", "upload", message)
+
+
+def _check_volume(image: MetaTensor) -> None:
+    shape = tuple(int(s) for s in image.shape[1:])
+    if min(shape) < 2:
+        raise DataError(
+            f"the image is 2D (shape {shape}); the viewer and the models need a 3D volume "
+            "with at least 2 voxels along each axis"
+        )
+
+
+def read_upload(files: Sequence[UploadedBytes], series_uid: str | None = None) -> LoadResult:
+    """Load an upload as a (C, I, J, K) MetaTensor, or list its series when there are several.
+
+    Every failure is a :class:`DataError` with a message for the user.
+    """
+    with staged(files) as (kind, path):
+        try:
+            if kind == "DICOM":
+                series = list_series(path)
+                if not series:
+                    raise DataError("the upload holds no DICOM image series")
+                choices = [_choice(s) for s in series]
+                if len(series) > 1 and series_uid is None:
+                    return LoadResult(None, kind, choices)
+                chosen = next((s for s in series if s.uid == series_uid), series[0])
+                image = load_image(path, series_uid=chosen.uid)
+                _check_volume(image)
+                headers = None if image.meta.get("resampled") else _headers(chosen, int(image.shape[3]))
+            else:
+                choices, headers = [], None
+                image = load_image(path)
+                _check_volume(image)
+        except MedsegError as e:
+            raise DataError(_tidy(str(e), path.parent if kind == "NIfTI" else path)) from None
+        # the MetaTensor's file name points into the temporary folder, which is about to go
+        image.meta["filename_or_obj"] = "upload"
+        log.info("loaded %s upload, shape %s", kind, tuple(image.shape))
+        return LoadResult(image, kind, choices, headers)
+
+
+def _headers(series: SeriesInfo, n_slices: int) -> list[Dataset] | None:
+    """The series' headers sorted along the slice normal, as the DICOM reader stacks the slices."""
+    headers = [pydicom.dcmread(p, stop_before_pixels=True) for p in series.files]
+    iop = np.array([float(v) for v in headers[0].ImageOrientationPatient])
+    normal = np.cross(iop[:3], iop[3:])
+    headers.sort(key=lambda d: float(np.array([float(v) for v in d.ImagePositionPatient]) @ normal))
+    return headers if len(headers) == n_slices else None
+
+
+def _choice(s: SeriesInfo) -> SeriesChoice:
+    return SeriesChoice(s.uid, s.description, s.modality, s.n_files)
+
+
+def read_path(path: str | Path) -> MetaTensor:
+    """Load a demo case (a NIfTI file on this machine) the same way as an upload."""
+    image = load_image(path)
+    _check_volume(image)
+    return image
+
+
+def describe(image: MetaTensor, source: str) -> dict[str, str]:
+    """Metadata for the panel: modality, shape, spacing, orientation. No identifiers, no file names."""
+    import nibabel as nib
+
+    affine = np.asarray(image.affine, dtype=np.float64)
+    spacing = np.linalg.norm(affine[:3, :3], axis=0)
+    modality = str(image.meta.get("modality", "") or "")
+    if not modality:
+        modality = "not stored in NIfTI" if source == "NIfTI" else "not given"
+    info = {
+        "source": source,
+        "modality": modality,
+        "shape (voxels)": " × ".join(str(int(s)) for s in image.shape[1:]),
+        "channels": str(int(image.shape[0])),
+        "spacing (mm)": " × ".join(f"{s:.3g}" for s in spacing),
+        "orientation": "".join(nib.aff2axcodes(affine)),
+        "intensity range": f"{float(image.min()):.4g} … {float(image.max()):.4g}",
+    }
+    if source == "DICOM":
+        info["slices"] = str(int(image.shape[3]))
+        if image.meta.get("resampled"):
+            info["note"] = "uneven slices resampled"
+    return info
