@@ -154,7 +154,7 @@ RAS view of image and labels {f["view_setup_s"]:.2f} s, three panels rendered {f
 {p["page_cold_run_model_s"]:.1f} s in the first session, {p["page_upload_s"]:.1f} s and {p["page_run_model_s"]:.1f} s in the second. Almost all of
 the inference time is the network itself (conv3d and instance norm over about 256 windows). A slider move does not touch the model or the file: the volumes stay in the
 session and only three slices are cut, windowed, blended and encoded. Times vary with the load of the
-shared machine; they are upper bounds for an idle one.
+shared machine; they are upper bounds for an idle one.{chr(10) + chr(10) + r["note"] if r.get("note") else ""}
 {END}
 """
 
@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20, help="slider moves to time")
     ap.add_argument("--json", type=Path, help="write the numbers here")
     ap.add_argument("--markdown", type=Path, help="update this file's bench:app section")
+    ap.add_argument("--note", default="", help="a sentence to add to the markdown section")
     args = ap.parse_args(argv)
     from medseg.bundle import find_bundle
 
@@ -192,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
+        "note": args.note,
         "load_average": [round(load_before, 2), round(load_after, 2)],
         "functions": functions,
         "page": page,

@@ -141,3 +141,7 @@ def test_upload_segment_in_chromium(server, browser, seg_run, seg_data, tmp_path
         assert shown[v["label"]][0] == v["voxels"]
         assert shown[v["label"]][1] == pytest.approx(v["ml"], abs=0.006)
     assert (tmp_path / "viewer.png").stat().st_size > 10_000
+    # also where CI can collect it (test-output/ is git-ignored)
+    keep = Path(__file__).resolve().parents[1] / "test-output" / "test_app_browser"
+    keep.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tmp_path / "viewer.png", keep / "viewer.png")
