@@ -7,7 +7,7 @@ MEDSEG := $(BIN)/medseg
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.medseg-setup
 
-.PHONY: setup demo test bench lint
+.PHONY: setup demo test bench lint app browser
 
 setup: $(STAMP)
 
@@ -38,8 +38,18 @@ demo: setup
 	$(MEDSEG) evaluate --run runs/demo-cls --data data/synth-cls-holdout
 	$(BIN)/python scripts/demo_report.py
 
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest -q tests
+
+# The viewer on http://localhost:8501 (RUNS=dir, PORT=n to change).
+app: setup
+	$(MEDSEG) app --runs $(or $(RUNS),runs) --port $(or $(PORT),8501)
+
+# Debian's chromium and its driver, for the real-browser viewer test (as root in CI, else with sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  ($(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver)
 
 # Writes docs/benchmarks.md's comm section and docs/bench-comm.png (about 5 minutes with QUICK=1).
 bench: setup

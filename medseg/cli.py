@@ -112,6 +112,12 @@ def _infer(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def _app(args: argparse.Namespace) -> None:
+    from medseg.apps.launch import serve
+
+    serve(args.runs or [Path("runs")], args.port)
+
+
 def _bench_comm(args: argparse.Namespace) -> None:
     from medseg.distributed.bench import bench_comm, check_targets, format_table, write_report
 
@@ -188,6 +194,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--workdir", type=Path, default=Path("runs/bench-comm"), help="data and runs of the benchmark"
     )
     s.set_defaults(func=_bench_comm)
+
+    s = sub.add_parser("app", help="start the Streamlit viewer on localhost")
+    s.add_argument(
+        "--runs",
+        type=Path,
+        action="append",
+        help="folder of runs to list models from (default runs; repeatable)",
+    )
+    s.add_argument("--port", type=int, default=8501, help="port on localhost (default 8501)")
+    s.set_defaults(func=_app)
 
     s = sub.add_parser("evaluate", help="score a trained run in original geometry")
     s.add_argument("--run", type=Path, required=True, help="run folder (runs/NAME) or bundle folder")

@@ -47,3 +47,31 @@ def seg_run(seg_data: Path, tmp_path_factory: pytest.TempPathFactory):
     """A finished tiny segmentation run (with its bundle), shared by the inference and CLI tests."""
     cfg = tiny_seg_config(seg_data, tmp_path_factory.mktemp("runs"))
     return train(cfg, progress=False)
+
+
+@pytest.fixture(scope="session")
+def cls_run(cls_data: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A finished tiny classification run (ResNet-10, 2 epochs), for the viewer's model-switch tests."""
+    cfg = config_from_dict(
+        {
+            "name": "tiny-cls",
+            "task": "classification",
+            "runs_dir": str(tmp_path_factory.mktemp("cls-runs")),
+            "data": {"dir": str(cls_data), "val_fraction": 0.25},
+            "transforms": {"spacing": [1.0, 1.0, 1.0], "window": [-100, 200], "patch": [24, 24, 24]},
+            "model": {"name": "resnet", "depth": 10, "norm": "batch"},
+            "train": {"epochs": 2, "batch_size": 4, "seed": 0, "threads": 2},
+        }
+    )
+    return train(cfg, progress=False)
+
+
+@pytest.fixture(scope="session")
+def app_runs(seg_run, cls_run, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A runs folder for the viewer holding the tiny segmentation and classification bundles."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("app-runs")
+    for run in (seg_run, cls_run):
+        shutil.copytree(run.run_dir / "bundle", root / run.run_dir.name / "bundle")
+    return root
