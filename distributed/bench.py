@@ -10,9 +10,7 @@ epoch, and the largest staleness observed. Ratios are against ``bsp-none`` measu
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ import yaml
 from medseg.config import config_from_dict
 from medseg.datasets.synthetic import make_seg_dataset
 from medseg.distributed.launcher import launch
+from medseg.report import replace_section, write_json
 from medseg.runlog import read_metrics
 
 log = logging.getLogger(__name__)
@@ -184,25 +183,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None) -> None:
-    tmp = json_out.with_name(f".{json_out.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, json_out)
+    write_json(json_out, result)
     if markdown is None:
         return
     png = markdown.parent / "bench-comm.png"
     plot(result, png)
     checks = "\n".join(f"- {'met' if ok else 'MISSED'}: {name}" for name, ok in check_targets(result))
-    section = (
-        f"<!-- bench:comm -->\n## Communication: `medseg bench comm{' --quick' if result['quick'] else ''}`\n\n"
+    body = (
+        f"## Communication: `medseg bench comm{' --quick' if result['quick'] else ''}`\n\n"
         f"{result['np']} ranks on this machine under horovodrun (Gloo), rank {result['straggler'].split(':')[0]} slowed "
         f"{result['straggler'].split(':')[1]}x, {result['epochs']} epochs of a small UNet on {result['cases']} synthetic cases, "
         f"same seed. Ratios are against bsp-none from the same run.\n\n{format_table(result)}\n\n{checks}\n\n"
-        f"![throughput and Dice against wall time](bench-comm.png)\n<!-- /bench:comm -->\n"
+        f"![throughput and Dice against wall time](bench-comm.png)"
     )
-    text = markdown.read_text() if markdown.exists() else "# Benchmarks\n"
-    start, end = text.find("<!-- bench:comm -->"), text.find("<!-- /bench:comm -->")
-    if start >= 0 and end > start:
-        text = text[:start] + section + text[end + len("<!-- /bench:comm -->\n") :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    markdown.write_text(text)
+    replace_section(markdown, "comm", body)

@@ -129,6 +129,23 @@ def _bench_comm(args: argparse.Namespace) -> None:
     print(f"wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
 
 
+def _bench_memory(args: argparse.Namespace) -> None:
+    from medseg.kernels.bench import bench_memory, check_targets, format_table, write_report
+
+    result = bench_memory(
+        quick=args.quick,
+        device=args.device,
+        nets=tuple(args.nets),
+        budget_gb=args.budget_gb,
+        verify=args.verify,
+    )
+    write_report(result, args.json, args.markdown)
+    print(format_table(result))
+    for name, ok in check_targets(result):
+        print(f"{'met   ' if ok else 'MISSED'} {name}")
+    print(f"wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="medseg", description="MONAI 3D segmentation and classification: data, training, inference."
@@ -194,6 +211,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--workdir", type=Path, default=Path("runs/bench-comm"), help="data and runs of the benchmark"
     )
     s.set_defaults(func=_bench_comm)
+    s = bench.add_parser(
+        "memory", help="fused kernels vs baseline, checkpointing and torch.compile: memory and time"
+    )
+    s.add_argument(
+        "--quick", action="store_true", help="64^3 patches, no torch.compile variant (a few minutes)"
+    )
+    s.add_argument("--json", type=Path, default=Path("bench-memory.json"), help="write results here")
+    s.add_argument("--markdown", type=Path, help="update this markdown file's memory section")
+    s.add_argument("--device", default="cpu", help="cpu or cuda")
+    s.add_argument(
+        "--nets",
+        nargs="+",
+        default=["unet", "segresnet", "dynunet"],
+        choices=["unet", "segresnet", "dynunet"],
+    )
+    s.add_argument(
+        "--budget-gb", type=float, help="memory budget for the largest patch (default: baseline's peak)"
+    )
+    s.add_argument(
+        "--verify", action="store_true", help="measure each variant at its predicted largest patch"
+    )
+    s.set_defaults(func=_bench_memory)
 
     s = sub.add_parser("app", help="start the Streamlit viewer on localhost")
     s.add_argument(

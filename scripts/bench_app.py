@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from medseg.report import replace_section, write_json
+
 TARGET_RESULT_S = 30.0
 TARGET_SLIDER_S = 0.5
 MARK, END = "<!-- bench:app -->", "<!-- /bench:app -->"
@@ -159,16 +161,6 @@ shared machine; they are upper bounds for an idle one.{chr(10) + chr(10) + r["no
 """
 
 
-def write_markdown(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start, end = text.find(MARK), text.find(END)
-    if start >= 0 and end > start:
-        text = text[:start] + section.rstrip("\n") + text[end + len(END) :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", type=Path, default=Path("runs/demo-seg"), help="run or bundle folder")
@@ -205,9 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"slider rerun median {sl:.3f} s (target {TARGET_SLIDER_S} s, ratio {sl / TARGET_SLIDER_S:.2f})")
     print(json.dumps(result, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
     if args.markdown:
-        write_markdown(args.markdown, markdown_section(result))
+        replace_section(args.markdown, "app", markdown_section(result).replace(MARK, "").replace(END, ""))
         print(f"wrote the bench:app section of {args.markdown}")
     return 0 if res <= TARGET_RESULT_S and sl <= TARGET_SLIDER_S else 1
 

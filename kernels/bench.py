@@ -1,0 +1,215 @@
+"""``medseg bench memory``: activation memory and step time of UNet, SegResNet and DynUNet variants.
+
+Every (net, variant) pair is measured in its own process by :mod:`medseg.kernels.measure` (a fresh
+allocator is the only honest peak). Ratios are against ``baseline`` from the same run. The largest
+cubic patch within a memory budget is predicted from the measured peak (activation memory grows
+with the number of voxels) and, with ``verify``, confirmed by measuring each variant at that patch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from medseg.kernels.measure import NETS, VARIANTS
+from medseg.report import replace_section, write_json
+
+log = logging.getLogger(__name__)
+
+TARGET_PEAK = 0.6  # fused peak / baseline peak
+TARGET_TIME = 1.10  # fused step time / baseline step time
+
+
+def _run_variant(
+    net: str, variant: str, patch: int, batch: int, steps: int, device: str, timeout_s: float
+) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "medseg.kernels.measure", "--net", net, "--variant", variant]
+    cmd += ["--patch", str(patch), "--batch", str(batch), "--steps", str(steps), "--device", device]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # see DESIGN.md: honest CPU peaks
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish within {timeout_s:.0f} s"}
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {proc.returncode}: {last[:200]}"}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    return result
+
+
+def largest_patch(peak_bytes: float, patch: int, budget_bytes: float, multiple: int = 16) -> int:
+    """Largest multiple of ``multiple`` whose predicted peak, ``peak·(p/patch)³``, fits the budget."""
+    per_voxel = peak_bytes / patch**3
+    side = int((budget_bytes / per_voxel) ** (1 / 3) // multiple * multiple)
+    return max(side, 0)
+
+
+def bench_memory(
+    quick: bool = False,
+    device: str = "cpu",
+    nets: tuple[str, ...] = NETS,
+    variants: tuple[str, ...] | None = None,
+    batch: int = 2,
+    steps: int = 5,
+    budget_gb: float | None = None,
+    verify: bool = False,
+) -> dict[str, Any]:
+    """Measure each variant of each net; see the module docstring. Returns the JSON document."""
+    patch = 64 if quick else 96
+    if variants is None:
+        # torch.compile of a 3D UNet's forward and backward takes minutes on 2 CPU cores.
+        variants = tuple(v for v in VARIANTS if not (quick and v == "compile"))
+    timeout_s = 900.0 if quick else 3600.0
+    out: dict[str, Any] = {"nets": {}, "patch": patch, "batch": batch, "steps": steps, "device": device}
+    out["quick"], out["budget_gb"], out["patches"] = quick, budget_gb, {}
+    for net in nets:
+        out["nets"][net] = {}
+        for variant in variants:
+            log.info("bench memory: %s %s at %d^3", net, variant, patch)
+            r = _run_variant(net, variant, patch, batch, steps, device, timeout_s)
+            out["nets"][net][variant] = r
+            print(f"{net:10s} {variant:10s} {json.dumps(r)}", flush=True)
+        base = out["nets"][net].get("baseline", {})
+        if "peak_bytes" not in base:
+            continue
+        budget = budget_gb * 2**30 if budget_gb else base["peak_bytes"]
+        sizes: dict[str, Any] = {"budget_bytes": budget}
+        for variant, r in out["nets"][net].items():
+            if "peak_bytes" in r:
+                sizes[variant] = {"predicted": largest_patch(r["peak_bytes"], patch, budget)}
+                if verify and sizes[variant]["predicted"] > 0:
+                    p = sizes[variant]["predicted"]
+                    check = _run_variant(net, variant, p, batch, 1, device, timeout_s)
+                    sizes[variant]["measured_peak_bytes"] = check.get("peak_bytes")
+                    sizes[variant]["fits"] = check.get("peak_bytes", float("inf")) <= budget
+        out["patches"][net] = sizes
+    return out
+
+
+def ratios(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """peak, saved and step-time ratios of every variant against the same net's baseline."""
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for net, variants in result["nets"].items():
+        base = variants.get("baseline", {})
+        if "peak_bytes" not in base:
+            continue
+        table[net] = {
+            v: {
+                "peak": r["peak_bytes"] / base["peak_bytes"],
+                "saved": r["saved_bytes"] / base["saved_bytes"],
+                "time": r["step_s"] / base["step_s"],
+            }
+            for v, r in variants.items()
+            if "peak_bytes" in r
+        }
+    return table
+
+
+def check_targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
+    checks = []
+    for net, r in ratios(result).items():
+        if "fused" not in r:
+            continue
+        f = r["fused"]
+        checks.append(
+            (
+                f"{net}: fused peak {f['peak']:.2f}x baseline (target <= {TARGET_PEAK})",
+                f["peak"] <= TARGET_PEAK,
+            )
+        )
+        checks.append(
+            (
+                f"{net}: fused step time {f['time']:.2f}x baseline (target <= {TARGET_TIME})",
+                f["time"] <= TARGET_TIME,
+            )
+        )
+        if "checkpoint" in r:
+            c = r["checkpoint"]
+            checks.append(
+                (
+                    f"{net}: fused {f['time']:.2f}x vs checkpoint {c['time']:.2f}x time, "
+                    f"at peak {f['peak']:.2f}x vs {c['peak']:.2f}x (fused faster)",
+                    f["time"] < c["time"],
+                )
+            )
+    return checks
+
+
+def format_table(result: dict[str, Any]) -> str:
+    mb = 2**20
+    rows = [
+        "| net | variant | saved MiB | peak MiB | peak ratio | step s | time ratio | largest patch |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    table = ratios(result)
+    for net, variants in result["nets"].items():
+        for v, r in variants.items():
+            if "error" in r:
+                rows.append(f"| {net} | {v} | — | — | — | — | — | {r['error']} |")
+                continue
+            q = table.get(net, {}).get(v, {})
+            size = result["patches"].get(net, {}).get(v, {})
+            largest = f"{size['predicted']}³" if size else "—"
+            if "fits" in size:
+                largest += " (measured: fits)" if size["fits"] else " (measured: over budget)"
+            rows.append(
+                f"| {net} | {v} | {r['saved_bytes'] / mb:.0f} | {r['peak_bytes'] / mb:.0f} | "
+                f"{q.get('peak', float('nan')):.2f} | {r['step_s']:.2f} | {q.get('time', float('nan')):.2f} | {largest} |"
+            )
+    return "\n".join(rows)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = ratios(result)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, key, title in (
+        (axes[0], "peak", "peak memory / baseline"),
+        (axes[1], "time", "step time / baseline"),
+    ):
+        nets = list(table)
+        variants = [v for v in VARIANTS if any(v in table[n] for n in nets)]
+        width = 0.8 / max(len(variants), 1)
+        for i, v in enumerate(variants):
+            xs = [j + i * width for j, n in enumerate(nets) if v in table[n]]
+            ys = [table[n][v][key] for n in nets if v in table[n]]
+            ax.bar(xs, ys, width, label=v)
+        ax.axhline(TARGET_PEAK if key == "peak" else TARGET_TIME, color="k", ls="--", lw=0.8)
+        ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(nets))], nets)
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None) -> None:
+    write_json(json_out, result)
+    if markdown is None:
+        return
+    png = markdown.parent / "bench-memory.png"
+    plot(result, png)
+    checks = "\n".join(f"- {'met' if ok else 'MISSED'}: {name}" for name, ok in check_targets(result))
+    budget = f"{result['budget_gb']} GiB" if result["budget_gb"] else "each net's baseline peak"
+    body = (
+        f"## Memory: `medseg bench memory{' --quick' if result['quick'] else ''}`\n\n"
+        f"Patch {result['patch']}³, batch {result['batch']}, DiceCE loss, AdamW, on {result['device']}; each variant in "
+        f"its own process; step time is the median of {result['steps']} steps after warm-up. Peak is what one "
+        f"training step needs above the memory in use before it (DESIGN.md's CPU recipe: VmHWM with "
+        f"MALLOC_MMAP_THRESHOLD_=65536). Ratios are against baseline in the same run. Largest patch: the largest "
+        f"multiple of 16 predicted to fit within {budget} from the measured peak per voxel.\n\n"
+        f"{format_table(result)}\n\n{checks}\n\n![peak memory and step time ratios](bench-memory.png)"
+    )
+    replace_section(markdown, "memory", body)

@@ -1,0 +1,173 @@
+"""Fused stand-ins for MONAI blocks that keep the original children (and state_dict keys).
+
+Each fused block holds the very modules of the block it replaces, under the same names, so
+parameters, optimizer state, checkpoints and exported bundles are unchanged; only ``forward``
+differs, calling :mod:`medseg.kernels.functions` with those modules' parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from medseg.kernels.functions import ConvSpec, FusedNormAct, FusedNormActConv, NormActSpec
+
+_INSTANCE = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+_BATCH = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+NORM_TYPES = (*_INSTANCE, *_BATCH, nn.GroupNorm)
+
+
+def describe(norm: nn.Module, act: nn.Module | None) -> NormActSpec | str:
+    """The fused spec of ``norm`` followed by ``act`` (None = identity), or why they cannot fuse."""
+    if isinstance(norm, _INSTANCE):
+        if norm.track_running_stats:
+            return "instance norm with running statistics is not supported"
+        kind, groups = "instance", 1
+    elif isinstance(norm, nn.GroupNorm):
+        kind, groups = "group", norm.num_groups
+    elif isinstance(norm, _BATCH):
+        kind, groups = "batch", 1
+    else:
+        return f"{type(norm).__name__} is not a supported norm"
+    momentum = getattr(norm, "momentum", None)
+    if act is None:
+        return NormActSpec(kind, "identity", groups, norm.eps, 0.0, momentum)
+    if isinstance(act, nn.ReLU):
+        return NormActSpec(kind, "relu", groups, norm.eps, 0.0, momentum)
+    if isinstance(act, nn.LeakyReLU):
+        return NormActSpec(kind, "leaky_relu", groups, norm.eps, float(act.negative_slope), momentum)
+    if isinstance(act, nn.PReLU):
+        return NormActSpec(kind, "prelu", groups, norm.eps, 0.0, momentum)
+    if isinstance(act, nn.ELU):
+        return NormActSpec(kind, "elu", groups, norm.eps, float(act.alpha), momentum)
+    return f"activation {type(act).__name__} is not supported (ReLU, LeakyReLU, PReLU, ELU)"
+
+
+def _norm_tensors(norm: nn.Module) -> tuple:
+    weight = getattr(norm, "weight", None)
+    bias = getattr(norm, "bias", None)
+    if isinstance(norm, _BATCH) and norm.track_running_stats:
+        return weight, bias, norm.running_mean, norm.running_var, norm.num_batches_tracked
+    return weight, bias, None, None, None
+
+
+def _uses_batch_stats(norm: nn.Module) -> bool:
+    return norm.training or not getattr(norm, "track_running_stats", False)
+
+
+def norm_act(x: torch.Tensor, norm: nn.Module, act: nn.Module | None, spec: NormActSpec, inplace: bool):
+    """``act(norm(x))`` through :class:`FusedNormAct`; ``inplace`` only when x has no other reader."""
+    weight, bias, rmean, rvar, nbt = _norm_tensors(norm)
+    prelu = act.weight if isinstance(act, nn.PReLU) else None
+    training = _uses_batch_stats(norm)
+    return FusedNormAct.apply(x, weight, bias, prelu, rmean, rvar, nbt, spec, training, inplace)
+
+
+def inner_conv(module: nn.Module) -> nn.Module | None:
+    """The plain zero-padded convolution in ``module`` (MONAI's conv-only ``Convolution`` wraps one)."""
+    if isinstance(module, nn.Sequential) and len(module) == 1:
+        module = module[0]
+    if isinstance(module, _CONV) and module.padding_mode == "zeros" and not isinstance(module.padding, str):
+        return module
+    return None
+
+
+def norm_act_conv(
+    x: torch.Tensor, norm: nn.Module, act: nn.Module | None, conv: nn.Module, spec: NormActSpec
+):
+    """``conv(act(norm(x)))`` through :class:`FusedNormActConv` (only x is kept for backward)."""
+    weight, bias, rmean, rvar, nbt = _norm_tensors(norm)
+    prelu = act.weight if isinstance(act, nn.PReLU) else None
+    cspec = ConvSpec(tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation), conv.groups)
+    return FusedNormActConv.apply(
+        x, weight, bias, prelu, conv.weight, conv.bias, rmean, rvar, nbt, spec, cspec, _uses_batch_stats(norm)
+    )
+
+
+class FusedSequential(nn.Sequential):
+    """An ``nn.Sequential`` (MONAI's ``ADN`` and ``Convolution`` are ones) run through a fusion plan.
+
+    ``plan`` is a list of steps over the child names: ``("module", a)``, ``("norm_act", n, a)`` or
+    ``("norm_act_conv", n, a, c)``; children skipped by the plan (a zero-probability dropout) are
+    identities in training and evaluation alike.
+    """
+
+    def __init__(
+        self, source: nn.Sequential, plan: list[tuple], specs: dict[str, NormActSpec], inplace_first: bool
+    ):
+        super().__init__()
+        for name, child in source.named_children():
+            self.add_module(name, child)
+        self.plan, self.specs, self.inplace_first = plan, specs, inplace_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, step in enumerate(self.plan):
+            kind, names = step[0], step[1:]
+            mods = [self._modules[n] if n is not None else None for n in names]
+            if kind == "module":
+                x = mods[0](x)
+            elif kind == "norm_act":
+                # x is the previous child's output and nobody else's input: safe to overwrite.
+                x = norm_act(x, mods[0], mods[1], self.specs[names[0]], inplace=i > 0 or self.inplace_first)
+            else:
+                x = norm_act_conv(x, mods[0], mods[1], inner_conv(mods[2]), self.specs[names[0]])
+        return x
+
+
+class FusedSegResBlock(nn.Module):
+    """MONAI ``SegResNet`` ``ResBlock``: ``x + conv2(act(norm2(conv1(act(norm1(x))))))``.
+
+    Both norm + activation + conv triples run as :class:`FusedNormActConv`, so the block keeps its
+    input and the first conv's output (2 maps) instead of also both activated maps (4 maps).
+    """
+
+    def __init__(self, block: nn.Module, spec1: NormActSpec, spec2: NormActSpec):
+        super().__init__()
+        for name in ("norm1", "norm2", "act", "conv1", "conv2"):
+            self.add_module(name, getattr(block, name))
+        self.spec1, self.spec2 = spec1, spec2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = norm_act_conv(x, self.norm1, self.act, inner_conv(self.conv1), self.spec1)
+        out = norm_act_conv(out, self.norm2, self.act, inner_conv(self.conv2), self.spec2)
+        out += x  # the conv output is ours alone
+        return out
+
+
+class FusedUnetBasicBlock(nn.Module):
+    """MONAI ``DynUNet`` ``UnetBasicBlock``: two conv → norm → LeakyReLU, each norm+act fused in place."""
+
+    def __init__(self, block: nn.Module, spec1: NormActSpec, spec2: NormActSpec):
+        super().__init__()
+        for name in ("conv1", "conv2", "lrelu", "norm1", "norm2"):
+            self.add_module(name, getattr(block, name))
+        self.spec1, self.spec2 = spec1, spec2
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        out = norm_act(self.conv1(inp), self.norm1, self.lrelu, self.spec1, inplace=True)
+        return norm_act(self.conv2(out), self.norm2, self.lrelu, self.spec2, inplace=True)
+
+
+class FusedUnetResBlock(nn.Module):
+    """MONAI ``DynUNet`` ``UnetResBlock``: conv → norm → LeakyReLU fused; the residual tail unfused.
+
+    ``lrelu(norm2(conv2(·)) + residual)`` has an addition between norm and activation, so it stays
+    as MONAI computes it; its projection norm (``norm3``) saves its output instead of its input.
+    """
+
+    def __init__(self, block: nn.Module, spec1: NormActSpec, spec3: NormActSpec | None):
+        super().__init__()
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        self.spec1, self.spec3 = spec1, spec3
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        out = norm_act(self.conv1(inp), self.norm1, self.lrelu, self.spec1, inplace=True)
+        out = self.norm2(self.conv2(out))
+        residual = inp
+        if hasattr(self, "conv3"):
+            residual = self.conv3(residual)
+        if hasattr(self, "norm3"):
+            residual = norm_act(residual, self.norm3, None, self.spec3, inplace=hasattr(self, "conv3"))
+        return self.lrelu(out + residual)

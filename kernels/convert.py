@@ -1,0 +1,154 @@
+"""``optimize_memory``: rewrite a network's norm + activation pairs, in place, into fused blocks."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from monai.networks.blocks.dynunet_block import UnetBasicBlock, UnetResBlock
+from monai.networks.blocks.segresnet_block import ResBlock as SegResBlock
+from torch import nn
+
+from medseg.kernels.blocks import (
+    NORM_TYPES,
+    FusedSegResBlock,
+    FusedSequential,
+    FusedUnetBasicBlock,
+    FusedUnetResBlock,
+    describe,
+    inner_conv,
+)
+from medseg.kernels.functions import NormActSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MemoryReport:
+    """What ``optimize_memory`` converted (module path → fused form) and what it left alone, and why."""
+
+    converted: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def format(self) -> str:
+        lines = [f"fused {len(self.converted)} norm layers, left {len(self.skipped)} unfused"]
+        lines += [f"  fused   {path}: {how}" for path, how in self.converted.items()]
+        lines += [f"  skipped {path}: {why}" for path, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def _is_identity(module: nn.Module) -> bool:
+    """Children a fused step may pass over: identities and zero-probability dropout."""
+    if isinstance(module, nn.Identity):
+        return True
+    return isinstance(module, nn.modules.dropout._DropoutNd) and module.p == 0
+
+
+def _plan_sequential(seq: nn.Sequential, prefix: str, report: MemoryReport):
+    """A fusion plan for ``seq`` (see ``FusedSequential``), or None when nothing fuses."""
+    names = list(seq._modules)
+    plan, specs, i = [], {}, 0
+    while i < len(names):
+        name, mod = names[i], seq._modules[names[i]]
+        if not isinstance(mod, NORM_TYPES):
+            plan.append(("module", name))
+            i += 1
+            continue
+        j = i + 1
+        while j < len(names) and _is_identity(seq._modules[names[j]]):
+            j += 1
+        act = seq._modules[names[j]] if j < len(names) else None
+        spec = describe(mod, act) if act is not None else "not followed by an activation in its container"
+        if isinstance(spec, str):
+            report.skipped[prefix + name] = spec
+            plan.append(("module", name))
+            i += 1
+            continue
+        conv = inner_conv(seq._modules[names[j + 1]]) if j + 1 < len(names) else None
+        if spec.act == "relu" and conv is None:
+            report.skipped[prefix + name] = "ReLU cannot be inverted and no convolution follows to fuse with"
+            plan.append(("module", name))
+            i += 1
+            continue
+        specs[name] = spec
+        if spec.act == "relu":
+            plan.append(("norm_act_conv", name, names[j], names[j + 1]))
+            report.converted[prefix + name] = f"{spec.norm} norm + relu + conv (input kept, map rebuilt)"
+            i = j + 2
+        else:
+            plan.append(("norm_act", name, names[j]))
+            report.converted[prefix + name] = f"{spec.norm} norm + {spec.act} (output kept, inverted)"
+            i = j + 1
+    return (plan, specs) if specs else None
+
+
+def _pair(block: nn.Module, norm: str, act: str, prefix: str, report: MemoryReport) -> NormActSpec | None:
+    spec = describe(getattr(block, norm), getattr(block, act))
+    if isinstance(spec, str):
+        report.skipped[prefix + norm] = spec
+        return None
+    return spec
+
+
+def _convert_block(child: nn.Module, prefix: str, report: MemoryReport) -> nn.Module | None:
+    """A fused replacement for a known MONAI block, or None."""
+    if isinstance(child, SegResBlock):
+        s1, s2 = _pair(child, "norm1", "act", prefix, report), _pair(child, "norm2", "act", prefix, report)
+        if s1 and s2 and inner_conv(child.conv1) is not None and inner_conv(child.conv2) is not None:
+            for n in ("norm1", "norm2"):
+                report.converted[prefix + n] = f"{s1.norm} norm + {s1.act} + conv (input kept, map rebuilt)"
+            return FusedSegResBlock(child, s1, s2)
+    elif isinstance(child, UnetBasicBlock):
+        s1, s2 = (
+            _pair(child, "norm1", "lrelu", prefix, report),
+            _pair(child, "norm2", "lrelu", prefix, report),
+        )
+        if s1 and s2 and s1.act != "relu":
+            for n in ("norm1", "norm2"):
+                report.converted[prefix + n] = f"{s1.norm} norm + {s1.act} (output kept, inverted)"
+            return FusedUnetBasicBlock(child, s1, s2)
+    elif isinstance(child, UnetResBlock):
+        s1 = _pair(child, "norm1", "lrelu", prefix, report)
+        if s1 and s1.act != "relu":
+            report.converted[prefix + "norm1"] = f"{s1.norm} norm + {s1.act} (output kept, inverted)"
+            report.skipped[prefix + "norm2"] = "a residual addition sits between norm and activation"
+            s3 = None
+            if hasattr(child, "norm3"):
+                s3 = describe(child.norm3, None)
+                report.converted[prefix + "norm3"] = f"{s3.norm} norm (output kept)"
+            return FusedUnetResBlock(child, s1, s3)
+    return None
+
+
+def _walk(module: nn.Module, prefix: str, report: MemoryReport, inplace_first: bool) -> None:
+    for name, child in list(module.named_children()):
+        path = f"{prefix}{name}."
+        fused = _convert_block(child, path, report)
+        if fused is not None:
+            setattr(module, name, fused)
+            continue
+        # In MONAI's Convolution, the ADN's input is the conv output alone: it may be overwritten.
+        _walk(child, path, report, inplace_first=type(child).__name__ == "Convolution")
+        if isinstance(child, nn.Sequential) and not isinstance(child, FusedSequential):
+            planned = _plan_sequential(child, path, report)
+            if planned is not None:
+                setattr(module, name, FusedSequential(child, *planned, inplace_first=inplace_first))
+
+
+def optimize_memory(model: nn.Module) -> MemoryReport:
+    """Rewrite ``model`` in place so that its norm + activation pairs keep fewer feature maps.
+
+    Converted: MONAI ``UNet`` (ADN blocks), ``SegResNet`` (``ResBlock`` and the final
+    norm-act-conv), ``DynUNet`` (``UnetBasicBlock``/``UnetResBlock``), and any ``nn.Sequential`` with a
+    norm directly followed by a supported activation. Parameter names, and so state_dicts,
+    checkpoints and exported bundles, are unchanged. Every norm layer appears in the report, either
+    as converted or as skipped with the reason.
+    """
+    report = MemoryReport()
+    _walk(model, "", report, inplace_first=False)
+    seen = set(report.converted) | set(report.skipped)
+    for name, mod in model.named_modules():
+        if isinstance(mod, NORM_TYPES) and name not in seen:
+            report.skipped[name] = "not directly followed by an activation"
+    log.info("optimize_memory: %s", report.format().splitlines()[0])
+    return report
