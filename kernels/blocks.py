@@ -8,6 +8,7 @@ differs, calling :mod:`medseg.kernels.functions` with those modules' parameters.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from medseg.kernels.functions import ConvSpec, FusedNormAct, FusedNormActConv, NormActSpec
@@ -171,3 +172,77 @@ class FusedUnetResBlock(nn.Module):
         if hasattr(self, "norm3"):
             residual = norm_act(residual, self.norm3, None, self.spec3, inplace=hasattr(self, "conv3"))
         return self.lrelu(out + residual)
+
+
+class PartsConv(nn.Module):
+    """A convolution that also takes its input as channel parts ``(a, b)`` instead of ``cat(a, b)``.
+
+    ``conv(cat(a, b), W) = conv(a, W_a) + conv(b, W_b)`` with ``W`` split along its input channels,
+    so the concatenated map is never built: autograd keeps ``a`` and ``b``, and ``a`` (a skip
+    connection) is kept by the encoder's own convolution anyway. Holds the original parameters
+    under the original names (``weight``, ``bias``).
+    """
+
+    def __init__(self, conv: nn.Module):
+        super().__init__()
+        self.weight, self.bias = conv.weight, conv.bias
+        self.transposed = isinstance(conv, nn.modules.conv._ConvTransposeNd)
+        self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
+        self.output_padding = getattr(conv, "output_padding", 0)
+        self.dims = len(conv.kernel_size)
+
+    def _conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.transposed:
+            fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[self.dims - 1]
+            return fn(x, weight, bias, self.stride, self.padding, self.output_padding, 1, self.dilation)
+        fn = (F.conv1d, F.conv2d, F.conv3d)[self.dims - 1]
+        return fn(x, weight, bias, self.stride, self.padding, self.dilation, 1)
+
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if not isinstance(x, tuple):
+            return self._conv(x, self.weight, self.bias)
+        a, b = x
+        ca = a.shape[1]
+        # Input channels are dim 1 of a convolution's weight and dim 0 of a transposed one's.
+        w_a, w_b = (
+            (self.weight[:ca], self.weight[ca:])
+            if self.transposed
+            else (self.weight[:, :ca], self.weight[:, ca:])
+        )
+        out = self._conv(b, w_b, self.bias)
+        out += self._conv(a, w_a, None)
+        return out
+
+
+def splittable_conv(module: nn.Module) -> tuple[nn.Module, str] | None:
+    """(parent, name) of the convolution that first reads ``module``'s input through Sequentials only."""
+    parent = None
+    name = ""
+    while isinstance(module, nn.Sequential) and len(module) > 0:
+        parent, name = module, next(iter(module._modules))
+        module = module._modules[name]
+    ok = isinstance(module, (*_CONV, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d))
+    return (parent, name) if ok and parent is not None and module.groups == 1 else None
+
+
+class PartsSkip(nn.Module):
+    """MONAI ``SkipConnection`` (cat on channels) that hands on ``(x, submodule(x))`` unconcatenated."""
+
+    def __init__(self, skip: nn.Module):
+        super().__init__()
+        self.submodule = skip.submodule
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, self.submodule(x)
+
+
+class PartsUnetUpBlock(nn.Module):
+    """MONAI ``DynUNet`` ``UnetUpBlock`` whose ``cat((up, skip))`` goes to its conv block as parts."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        for name, child in block.named_children():
+            self.add_module(name, child)
+
+    def forward(self, inp: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        return self.conv_block((self.transp_conv(inp), skip))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from monai.networks.blocks.dynunet_block import UnetBasicBlock, UnetResBlock
+from monai.networks.blocks.dynunet_block import UnetBasicBlock, UnetResBlock, UnetUpBlock
 from monai.networks.blocks.segresnet_block import ResBlock as SegResBlock
+from monai.networks.layers.simplelayers import SkipConnection
 from torch import nn
 
 from medseg.kernels.blocks import (
@@ -15,8 +16,12 @@ from medseg.kernels.blocks import (
     FusedSequential,
     FusedUnetBasicBlock,
     FusedUnetResBlock,
+    PartsConv,
+    PartsSkip,
+    PartsUnetUpBlock,
     describe,
     inner_conv,
+    splittable_conv,
 )
 from medseg.kernels.functions import NormActSpec
 
@@ -29,9 +34,14 @@ class MemoryReport:
 
     converted: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    replaced: dict[int, nn.Module] = field(default_factory=dict, repr=False)  # id(original) -> replacement
 
     def format(self) -> str:
-        lines = [f"fused {len(self.converted)} norm layers, left {len(self.skipped)} unfused"]
+        cats = sum(path.endswith(".cat") for path in self.converted)
+        lines = [
+            f"fused {len(self.converted) - cats} norm layers, split {cats} skip concatenations, "
+            f"left {len(self.skipped)} norm layers unfused"
+        ]
         lines += [f"  fused   {path}: {how}" for path, how in self.converted.items()]
         lines += [f"  skipped {path}: {why}" for path, why in self.skipped.items()]
         return "\n".join(lines)
@@ -120,19 +130,62 @@ def _convert_block(child: nn.Module, prefix: str, report: MemoryReport) -> nn.Mo
     return None
 
 
+def _to_parts(parent: nn.Module, name: str) -> None:
+    setattr(parent, name, PartsConv(getattr(parent, name)))
+
+
+def _split_skip(seq: nn.Module, prefix: str, report: MemoryReport) -> None:
+    """UNet: ``SkipConnection(cat)`` followed by a convolution reads the two parts, not the cat."""
+    names = list(seq._modules)
+    for name, nxt in zip(names, names[1:]):
+        skip, target = seq._modules[name], splittable_conv(seq._modules[nxt])
+        if isinstance(skip, SkipConnection) and skip.mode == "cat" and skip.dim == 1 and target:
+            _to_parts(*target)
+            setattr(seq, name, PartsSkip(skip))
+            report.converted[f"{prefix}{name}.cat"] = "skip concatenation read as parts by the next conv"
+
+
+def _split_up_block(block: nn.Module, prefix: str, report: MemoryReport) -> nn.Module | None:
+    """DynUNet: the up block's ``cat((up, skip))`` read as parts by its conv block's first convs."""
+    conv_block = block.conv_block
+    targets = [splittable_conv(conv_block.conv1)]
+    if isinstance(conv_block, UnetResBlock | FusedUnetResBlock):
+        targets.append(splittable_conv(conv_block.conv3) if hasattr(conv_block, "conv3") else None)
+    elif not isinstance(conv_block, UnetBasicBlock | FusedUnetBasicBlock):
+        return None
+    if not all(targets):
+        return None
+    for target in targets:
+        _to_parts(*target)
+    report.converted[f"{prefix}cat"] = "skip concatenation read as parts by the next conv"
+    return PartsUnetUpBlock(block)
+
+
+def _convert(child: nn.Module, path: str, report: MemoryReport, inplace_first: bool) -> nn.Module:
+    """``child`` converted (itself, modified inside, when no replacement is needed)."""
+    fused = _convert_block(child, path, report)
+    if fused is not None:
+        return fused
+    if isinstance(child, UnetUpBlock):
+        _walk(child, path, report, inplace_first=False)
+        return _split_up_block(child, path, report) or child
+    # In MONAI's Convolution, the ADN's input is the conv output alone: it may be overwritten.
+    _walk(child, path, report, inplace_first=type(child).__name__ == "Convolution")
+    if isinstance(child, nn.Sequential):
+        _split_skip(child, path, report)
+        planned = _plan_sequential(child, path, report) if not isinstance(child, FusedSequential) else None
+        if planned is not None:
+            return FusedSequential(child, *planned, inplace_first=inplace_first)
+    return child
+
+
 def _walk(module: nn.Module, prefix: str, report: MemoryReport, inplace_first: bool) -> None:
     for name, child in list(module.named_children()):
-        path = f"{prefix}{name}."
-        fused = _convert_block(child, path, report)
-        if fused is not None:
-            setattr(module, name, fused)
-            continue
-        # In MONAI's Convolution, the ADN's input is the conv output alone: it may be overwritten.
-        _walk(child, path, report, inplace_first=type(child).__name__ == "Convolution")
-        if isinstance(child, nn.Sequential) and not isinstance(child, FusedSequential):
-            planned = _plan_sequential(child, path, report)
-            if planned is not None:
-                setattr(module, name, FusedSequential(child, *planned, inplace_first=inplace_first))
+        # A module reachable by two paths (DynUNet's skip layers hold its blocks) is converted once
+        # and the same replacement is put at both places.
+        if id(child) not in report.replaced:
+            report.replaced[id(child)] = _convert(child, f"{prefix}{name}.", report, inplace_first)
+        setattr(module, name, report.replaced[id(child)])
 
 
 def optimize_memory(model: nn.Module) -> MemoryReport:

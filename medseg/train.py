@@ -150,6 +150,12 @@ def _train(
     labels = data.info.labels
     task = make_task(cfg, labels)
     model = build_network(network_def(cfg, out_channels=len(labels))).to(device)
+    if t.memory == "fused":
+        from medseg.kernels import optimize_memory
+        from medseg.kernels.dispatch import backend_name
+
+        report = optimize_memory(model)
+        log.info("train.memory=fused (%s): %s", backend_name(), report.format())
     base_optimizer = _optimizer(cfg, model)
 
     def profile_step() -> int:

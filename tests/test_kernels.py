@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import itertools
 
 import pytest
@@ -14,6 +15,10 @@ from medseg.kernels import dispatch, optimize_memory
 from medseg.kernels.blocks import describe, norm_act, norm_act_conv
 from medseg.kernels.functions import replayable_backward
 from medseg.kernels.measure import saved_bytes
+from medseg.runlog import read_metrics
+from medseg.train import train
+
+from .conftest import tiny_seg_config
 
 NORMS = {
     "instance": lambda: nn.InstanceNorm3d(4),
@@ -232,7 +237,8 @@ def test_converted_network_keeps_fewer_maps(name):
 def test_report_names_what_was_left_alone():
     model = UNet(3, 1, 2, (8, 16), (2,), num_res_units=1, dropout=0.2)
     report = optimize_memory(model)
-    assert report.converted == {}  # dropout sits between every norm and its activation
+    # dropout sits between every norm and its activation; only the skip concatenation is split
+    assert list(report.converted) == ["model.1.cat"]
     assert report.skipped and all("activation" in why for why in report.skipped.values())
 
     seq = nn.Sequential(nn.Conv3d(1, 4, 3), nn.InstanceNorm3d(4), nn.ReLU(), nn.BatchNorm3d(4), nn.Tanh())
@@ -259,3 +265,15 @@ def test_converted_weights_load_into_the_plain_network():
     original.eval(), fused.eval()
     with torch.no_grad():
         torch.testing.assert_close(fused(x), original(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_training_with_fused_memory_reaches_the_same_dice(seg_data, seg_run, tmp_path, caplog):
+    """The tiny demo run with ``train.memory: fused`` against the same run unfused (``seg_run``)."""
+    caplog.set_level(logging.INFO, logger="medseg")
+    fused = train(tiny_seg_config(seg_data, tmp_path, name="tiny-fused", memory="fused"), progress=False)
+    plain = read_metrics(seg_run.run_dir / "metrics.jsonl")
+    ours = read_metrics(fused.run_dir / "metrics.jsonl")
+    assert len(ours) == len(plain)
+    assert abs(ours[-1]["val_dice"] - plain[-1]["val_dice"]) <= 0.01, (ours[-1], plain[-1])
+    assert "train.memory=fused" in caplog.text and "fused 6 norm layers, split 2 skip concatenations, left 0" in caplog.text
