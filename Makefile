@@ -51,9 +51,10 @@ browser:
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	  ($(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver)
 
-# Writes docs/benchmarks.md's comm section and docs/bench-comm.png (about 5 minutes with QUICK=1).
+# Writes docs/benchmarks.md's comm and memory sections and their PNGs (about 10 minutes with QUICK=1).
 bench: setup
 	$(MEDSEG) bench comm $(if $(QUICK),--quick) --json docs/bench-comm.json --markdown docs/benchmarks.md
+	$(MEDSEG) bench memory $(if $(QUICK),--quick) --json docs/bench-memory.json --markdown docs/benchmarks.md
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -27,10 +27,11 @@ TARGET_TIME = 1.10  # fused step time / baseline step time
 
 
 def _run_variant(
-    net: str, variant: str, patch: int, batch: int, steps: int, device: str, timeout_s: float
+    net: str, variant: str, patch: int, batch: int, steps: int, device: str, timeout_s: float, width: float
 ) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "medseg.kernels.measure", "--net", net, "--variant", variant]
     cmd += ["--patch", str(patch), "--batch", str(batch), "--steps", str(steps), "--device", device]
+    cmd += ["--width", str(width)]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # see DESIGN.md: honest CPU peaks
     t0 = time.monotonic()
     try:
@@ -48,7 +49,7 @@ def _run_variant(
 def largest_patch(peak_bytes: float, patch: int, budget_bytes: float, multiple: int = 16) -> int:
     """Largest multiple of ``multiple`` whose predicted peak, ``peak·(p/patch)³``, fits the budget."""
     per_voxel = peak_bytes / patch**3
-    side = int((budget_bytes / per_voxel) ** (1 / 3) // multiple * multiple)
+    side = int(((budget_bytes / per_voxel) ** (1 / 3) + 1e-6) // multiple * multiple)
     return max(side, 0)
 
 
@@ -63,31 +64,34 @@ def bench_memory(
     verify: bool = False,
 ) -> dict[str, Any]:
     """Measure each variant of each net; see the module docstring. Returns the JSON document."""
-    patch = 64 if quick else 96
+    # --quick: 64³ and half the channels, so that three nets x three variants fit in minutes on 2 cores.
+    patch, width = (64, 0.5) if quick else (96, 1.0)
     if variants is None:
         # torch.compile of a 3D UNet's forward and backward takes minutes on 2 CPU cores.
         variants = tuple(v for v in VARIANTS if not (quick and v == "compile"))
     timeout_s = 900.0 if quick else 3600.0
-    out: dict[str, Any] = {"nets": {}, "patch": patch, "batch": batch, "steps": steps, "device": device}
+    out: dict[str, Any] = {"nets": {}, "patch": patch, "width": width, "batch": batch, "steps": steps}
+    out["device"] = device
+    budget_gb = budget_gb or (1.0 if quick else 8.0)
     out["quick"], out["budget_gb"], out["patches"] = quick, budget_gb, {}
     for net in nets:
         out["nets"][net] = {}
         for variant in variants:
             log.info("bench memory: %s %s at %d^3", net, variant, patch)
-            r = _run_variant(net, variant, patch, batch, steps, device, timeout_s)
+            r = _run_variant(net, variant, patch, batch, steps, device, timeout_s, width)
             out["nets"][net][variant] = r
             print(f"{net:10s} {variant:10s} {json.dumps(r)}", flush=True)
         base = out["nets"][net].get("baseline", {})
         if "peak_bytes" not in base:
             continue
-        budget = budget_gb * 2**30 if budget_gb else base["peak_bytes"]
+        budget = budget_gb * 2**30
         sizes: dict[str, Any] = {"budget_bytes": budget}
         for variant, r in out["nets"][net].items():
             if "peak_bytes" in r:
                 sizes[variant] = {"predicted": largest_patch(r["peak_bytes"], patch, budget)}
                 if verify and sizes[variant]["predicted"] > 0:
                     p = sizes[variant]["predicted"]
-                    check = _run_variant(net, variant, p, batch, 1, device, timeout_s)
+                    check = _run_variant(net, variant, p, batch, 1, device, timeout_s, width)
                     sizes[variant]["measured_peak_bytes"] = check.get("peak_bytes")
                     sizes[variant]["fits"] = check.get("peak_bytes", float("inf")) <= budget
         out["patches"][net] = sizes
@@ -202,10 +206,10 @@ def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None) 
     png = markdown.parent / "bench-memory.png"
     plot(result, png)
     checks = "\n".join(f"- {'met' if ok else 'MISSED'}: {name}" for name, ok in check_targets(result))
-    budget = f"{result['budget_gb']} GiB" if result["budget_gb"] else "each net's baseline peak"
+    budget = f"{result['budget_gb']} GiB"
     body = (
         f"## Memory: `medseg bench memory{' --quick' if result['quick'] else ''}`\n\n"
-        f"Patch {result['patch']}³, batch {result['batch']}, DiceCE loss, AdamW, on {result['device']}; each variant in "
+        f"Patch {result['patch']}³, channel width {result['width']}x medseg's defaults, batch {result['batch']}, DiceCE loss, AdamW, on {result['device']}; each variant in "
         f"its own process; step time is the median of {result['steps']} steps after warm-up. Peak is what one "
         f"training step needs above the memory in use before it (DESIGN.md's CPU recipe: VmHWM with "
         f"MALLOC_MMAP_THRESHOLD_=65536). Ratios are against baseline in the same run. Largest patch: the largest "

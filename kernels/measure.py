@@ -34,16 +34,22 @@ VARIANTS = ("baseline", "fused", "checkpoint", "compile")
 NETS = ("unet", "segresnet", "dynunet")
 
 
-def build_net(net: str, patch: int) -> nn.Module:
-    """The network medseg trains for ``net`` (its default config), 1 input channel, 3 classes."""
+def build_net(net: str, patch: int, width: float = 1.0) -> nn.Module:
+    """The network medseg trains for ``net`` (its default config), 1 input channel, 3 classes.
+
+    ``width`` scales every layer's channel count (the quick benchmark uses 0.5).
+    """
     from medseg.config import config_from_dict
     from medseg.models import build_network, network_def
 
-    model = {"unet": {"name": "unet"}, "segresnet": {"name": "segresnet", "norm": "group"}}.get(
-        net, {"name": net}
-    )
+    model = {"name": net, "norm": "group" if net == "segresnet" else "instance"}
     cfg = config_from_dict({"model": model, "transforms": {"patch": [patch] * 3, "spacing": [1.5] * 3}})
-    return build_network(network_def(cfg, out_channels=3))
+    cfg.model.channels = [max(int(c * width), 4) for c in cfg.model.channels]
+    cfg.model.init_filters = max(int(cfg.model.init_filters * width), 8)
+    net_def = network_def(cfg, out_channels=3)
+    if net == "dynunet" and width != 1.0:  # MONAI's default DynUNet filters, scaled
+        net_def["filters"] = [int(min(2 ** (5 + i), 320) * width) for i in range(len(net_def["strides"]))]
+    return build_network(net_def)
 
 
 def _checkpoint_blocks(model: nn.Module) -> int:
@@ -62,10 +68,12 @@ def _checkpoint_blocks(model: nn.Module) -> int:
     return count
 
 
-def prepare(net: str, variant: str, patch: int, device: torch.device) -> tuple[nn.Module, Callable]:
+def prepare(
+    net: str, variant: str, patch: int, device: torch.device, width: float = 1.0
+) -> tuple[nn.Module, Callable]:
     """The model for ``variant`` and the callable that runs its forward pass."""
     torch.manual_seed(0)
-    model = build_net(net, patch).to(device).train()
+    model = build_net(net, patch, width).to(device).train()
     forward: Callable = model
     if variant == "fused":
         from medseg.kernels import optimize_memory
@@ -132,11 +140,13 @@ def peak_step_bytes(step: Callable[[], None], device: torch.device) -> int:
     return (_status_kb("VmHWM") - start) * 1024
 
 
-def measure(net: str, variant: str, patch: int, batch: int, steps: int, device: torch.device) -> dict:
-    """saved_bytes, peak_bytes and median step_s of ``steps`` training steps after warm-up."""
+def measure(
+    net: str, variant: str, patch: int, batch: int, steps: int, device: torch.device, width: float = 1.0
+) -> dict:
+    """saved_bytes, peak_bytes (of the first timed step) and median step_s of ``steps`` steps after warm-up."""
     from monai.losses import DiceCELoss
 
-    model, forward = prepare(net, variant, patch, device)
+    model, forward = prepare(net, variant, patch, device, width)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4)
     loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
@@ -156,14 +166,18 @@ def measure(net: str, variant: str, patch: int, batch: int, steps: int, device: 
 
     for _ in range(2 if variant == "compile" else 1):  # warm-up: optimizer state, compilation
         step()
-    peak = peak_step_bytes(step, device)
-    times = []
-    for _ in range(steps):
+    times: list[float] = []
+
+    def timed_step() -> None:
         sync()
         t0 = time.perf_counter()
         step()
         sync()
         times.append(time.perf_counter() - t0)
+
+    peak = peak_step_bytes(timed_step, device)
+    for _ in range(steps - 1):
+        timed_step()
     opt.zero_grad(set_to_none=True)
     saved = saved_bytes(forward, params, x)
     return {"saved_bytes": saved, "peak_bytes": peak, "step_s": statistics.median(times), "steps": steps}
@@ -178,10 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--width", type=float, default=1.0, help="channel multiplier of the network")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = measure(args.net, args.variant, args.patch, args.batch, args.steps, torch.device(args.device))
+    result = measure(
+        args.net, args.variant, args.patch, args.batch, args.steps, torch.device(args.device), args.width
+    )
     if args.variant == "fused":
         from medseg.kernels.dispatch import backend_name
 

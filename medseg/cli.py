@@ -138,6 +138,7 @@ def _bench_memory(args: argparse.Namespace) -> None:
         nets=tuple(args.nets),
         budget_gb=args.budget_gb,
         verify=args.verify,
+        variants=tuple(args.variants) if args.variants else None,
     )
     write_report(result, args.json, args.markdown)
     print(format_table(result))
@@ -227,7 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["unet", "segresnet", "dynunet"],
     )
     s.add_argument(
-        "--budget-gb", type=float, help="memory budget for the largest patch (default: baseline's peak)"
+        "--variants",
+        nargs="+",
+        choices=["baseline", "fused", "checkpoint", "compile"],
+        help="default: all four (--quick: all but compile)",
+    )
+    s.add_argument(
+        "--budget-gb",
+        type=float,
+        help="memory budget for the largest patch (default 1 GiB with --quick, else 8)",
     )
     s.add_argument(
         "--verify", action="store_true", help="measure each variant at its predicted largest patch"

@@ -70,7 +70,9 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     amp: bool = True  # mixed precision, used on CUDA only
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
-    memory: Literal["none", "fused"] = "none"  # fused: medseg.kernels.optimize_memory (same maths, fewer maps)
+    memory: Literal["none", "fused"] = (
+        "none"  # fused: medseg.kernels.optimize_memory (same maths, fewer maps)
+    )
 
 
 @dataclass

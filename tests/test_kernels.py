@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-import logging
 import itertools
+import logging
 
 import pytest
 import torch
@@ -276,4 +276,7 @@ def test_training_with_fused_memory_reaches_the_same_dice(seg_data, seg_run, tmp
     ours = read_metrics(fused.run_dir / "metrics.jsonl")
     assert len(ours) == len(plain)
     assert abs(ours[-1]["val_dice"] - plain[-1]["val_dice"]) <= 0.01, (ours[-1], plain[-1])
-    assert "train.memory=fused" in caplog.text and "fused 6 norm layers, split 2 skip concatenations, left 0" in caplog.text
+    assert (
+        "train.memory=fused" in caplog.text
+        and "fused 6 norm layers, split 2 skip concatenations, left 0" in caplog.text
+    )
