@@ -12,7 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
-from medseg.errors import MedsegError
+from medseg.errors import ConfigError, MedsegError
 
 log = logging.getLogger("medseg")
 
@@ -130,8 +130,12 @@ def _bench_comm(args: argparse.Namespace) -> None:
 
 
 def _bench_memory(args: argparse.Namespace) -> None:
+    import torch
+
     from medseg.kernels.bench import bench_memory, check_targets, format_table, write_report
 
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu")
     result = bench_memory(
         quick=args.quick,
         device=args.device,

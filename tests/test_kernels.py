@@ -280,3 +280,33 @@ def test_training_with_fused_memory_reaches_the_same_dice(seg_data, seg_run, tmp
         "train.memory=fused" in caplog.text
         and "fused 6 norm layers, split 2 skip concatenations, left 0" in caplog.text
     )
+
+
+def test_bench_memory_cli_refuses_a_missing_gpu(tmp_path, capsys):
+    from medseg.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["bench", "memory", "--device", "cuda", "--json", str(tmp_path / "m.json")]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_largest_patch_prediction():
+    from medseg.kernels.bench import largest_patch
+
+    assert largest_patch(100.0, 64, 100.0) == 64  # the budget is exactly the measured peak
+    assert largest_patch(100.0, 64, 8 * 100.0) == 128  # 8x the memory: twice the side
+    assert largest_patch(100.0, 64, 99.0) == 48
+
+
+def test_measure_process_reports_the_json_schema():
+    """One fresh process per variant, as `medseg bench memory` runs them (small UNet, 32³)."""
+    from medseg.kernels.bench import _run_variant
+
+    runs = {v: _run_variant("unet", v, 32, 2, 2, "cpu", 300, 0.5) for v in ("baseline", "fused")}
+    for r in runs.values():
+        assert {"saved_bytes", "peak_bytes", "step_s"} <= set(r), r
+        assert r["peak_bytes"] > 0 and r["step_s"] > 0
+    assert runs["fused"]["saved_bytes"] < 0.7 * runs["baseline"]["saved_bytes"]
+    assert runs["fused"]["backend"] in ("native-cpu", "reference")
