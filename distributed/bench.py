@@ -21,7 +21,7 @@ import yaml
 from medseg.config import config_from_dict
 from medseg.datasets.synthetic import make_seg_dataset
 from medseg.distributed.launcher import launch
-from medseg.report import replace_section, write_json
+from medseg.report import publish
 from medseg.runlog import read_metrics
 
 log = logging.getLogger(__name__)
@@ -183,17 +183,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None) -> None:
-    write_json(json_out, result)
-    if markdown is None:
-        return
-    png = markdown.parent / "bench-comm.png"
-    plot(result, png)
-    checks = "\n".join(f"- {'met' if ok else 'MISSED'}: {name}" for name, ok in check_targets(result))
-    body = (
+    rank, factor = result["straggler"].split(":")
+    intro = (
         f"## Communication: `medseg bench comm{' --quick' if result['quick'] else ''}`\n\n"
-        f"{result['np']} ranks on this machine under horovodrun (Gloo), rank {result['straggler'].split(':')[0]} slowed "
-        f"{result['straggler'].split(':')[1]}x, {result['epochs']} epochs of a small UNet on {result['cases']} synthetic cases, "
-        f"same seed. Ratios are against bsp-none from the same run.\n\n{format_table(result)}\n\n{checks}\n\n"
-        f"![throughput and Dice against wall time](bench-comm.png)"
+        f"{result['np']} ranks on this machine under horovodrun (Gloo), rank {rank} slowed {factor}x, "
+        f"{result['epochs']} epochs of a small UNet on {result['cases']} synthetic cases, same seed. "
+        f"Ratios are against bsp-none from the same run."
     )
-    replace_section(markdown, "comm", body)
+    publish(result, json_out, markdown, "comm", plot, check_targets(result), intro, format_table(result))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from medseg.kernels.measure import NETS, VARIANTS
-from medseg.report import replace_section, write_json
+from medseg.report import publish
 
 log = logging.getLogger(__name__)
 
@@ -200,20 +200,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None) -> None:
-    write_json(json_out, result)
-    if markdown is None:
-        return
-    png = markdown.parent / "bench-memory.png"
-    plot(result, png)
-    checks = "\n".join(f"- {'met' if ok else 'MISSED'}: {name}" for name, ok in check_targets(result))
-    budget = f"{result['budget_gb']} GiB"
-    body = (
+    intro = (
         f"## Memory: `medseg bench memory{' --quick' if result['quick'] else ''}`\n\n"
-        f"Patch {result['patch']}³, channel width {result['width']}x medseg's defaults, batch {result['batch']}, DiceCE loss, AdamW, on {result['device']}; each variant in "
-        f"its own process; step time is the median of {result['steps']} steps after warm-up. Peak is what one "
-        f"training step needs above the memory in use before it (DESIGN.md's CPU recipe: VmHWM with "
-        f"MALLOC_MMAP_THRESHOLD_=65536). Ratios are against baseline in the same run. Largest patch: the largest "
-        f"multiple of 16 predicted to fit within {budget} from the measured peak per voxel.\n\n"
-        f"{format_table(result)}\n\n{checks}\n\n![peak memory and step time ratios](bench-memory.png)"
+        f"Patch {result['patch']}³, channel width {result['width']}x medseg's defaults, batch {result['batch']}, "
+        f"DiceCE loss, AdamW, on {result['device']}; each variant in its own process; step time is the median "
+        f"of {result['steps']} steps after warm-up. Peak is what one training step needs above the memory in "
+        f"use before it (DESIGN.md's CPU recipe: VmHWM with MALLOC_MMAP_THRESHOLD_=65536). Ratios are against "
+        f"baseline in the same run. Largest patch: the largest multiple of 16 predicted to fit within "
+        f"{result['budget_gb']} GiB from the measured peak per voxel."
     )
-    replace_section(markdown, "memory", body)
+    publish(result, json_out, markdown, "memory", plot, check_targets(result), intro, format_table(result))

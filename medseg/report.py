@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,3 +32,23 @@ def replace_section(markdown: Path, tag: str, body: str) -> None:
     tmp = markdown.with_name(f".{markdown.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, markdown)
+
+
+def publish(
+    result: dict[str, Any],
+    json_out: Path,
+    markdown: Path | None,
+    tag: str,
+    plot: Callable[[dict[str, Any], Path], None],
+    checks: list[tuple[str, bool]],
+    intro: str,
+    table: str,
+) -> None:
+    """Write ``result`` as JSON and, with ``markdown``, the ``bench:tag`` section and bench-TAG.png."""
+    write_json(json_out, result)
+    if markdown is None:
+        return
+    png = markdown.parent / f"bench-{tag}.png"
+    plot(result, png)
+    lines = "\n".join(f"- {'met' if ok else 'MISSED'}: {name}" for name, ok in checks)
+    replace_section(markdown, tag, f"{intro}\n\n{table}\n\n{lines}\n\n![{tag} results]({png.name})")
