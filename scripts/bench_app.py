@@ -138,7 +138,7 @@ def markdown_section(r: dict) -> str:
     return f"""{MARK}
 ## Viewer: `.venv/bin/python scripts/bench_app.py --run {r["run"]}`
 
-{r["date"]}, {r["machine"]} (1-minute load average {r["load_average"][0]} before, {r["load_average"][1]} after: other work shared the cores); torch {r["torch"]} with {r["threads"]} threads, no GPU. A synthetic CT of
+{r["date"]}, {r["machine"]} (1-minute load average {r["load_average"][0]} before, {r["load_average"][1]} after{": other work shared the cores" if max(r["load_average"]) > 1.5 else ""}); torch {r["torch"]} with {r["threads"]} threads, no GPU. A synthetic CT of
 {" × ".join(map(str, f["shape"]))} voxels (0.8 × 0.8 × 1.6 mm, LPS, {p["upload_mb"]:.1f} MB .nii.gz), segmented with
 the demo model (UNet, 1.6 × 1.6 × 2.4 mm, 32 × 32 × 16 patches) through the page itself
 (`streamlit.testing` AppTest running `apps/app.py`).
