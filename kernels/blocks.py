@@ -86,6 +86,18 @@ def norm_act_conv(
     )
 
 
+def _fresh_output(seq: nn.Module, step: tuple) -> bool:
+    """Whether ``step`` of a plan returns a new tensor that only the next step reads."""
+    if step[0] == "norm_act_conv":
+        return True
+    if step[0] != "module":
+        return False
+    module = seq._modules[step[1]]
+    if isinstance(module, nn.Sequential) and len(module) == 1:  # MONAI's conv-only Convolution
+        module = module[0]
+    return isinstance(module, nn.modules.conv._ConvNd | PartsConv)
+
+
 class FusedSequential(nn.Sequential):
     """An ``nn.Sequential`` (MONAI's ``ADN`` and ``Convolution`` are ones) run through a fusion plan.
 
@@ -100,7 +112,13 @@ class FusedSequential(nn.Sequential):
         super().__init__()
         for name, child in source.named_children():
             self.add_module(name, child)
-        self.plan, self.specs, self.inplace_first = plan, specs, inplace_first
+        self.plan, self.specs = plan, specs
+        # A norm may overwrite its input only when that is a fresh convolution output that nothing
+        # else reads: not after an identity, an eval-mode dropout or a reshape (they hand on their
+        # input), nor after another fused pair (which kept its output for backward).
+        self.inplace = [
+            inplace_first if i == 0 else _fresh_output(self, plan[i - 1]) for i in range(len(plan))
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, step in enumerate(self.plan):
@@ -109,8 +127,7 @@ class FusedSequential(nn.Sequential):
             if kind == "module":
                 x = mods[0](x)
             elif kind == "norm_act":
-                # x is the previous child's output and nobody else's input: safe to overwrite.
-                x = norm_act(x, mods[0], mods[1], self.specs[names[0]], inplace=i > 0 or self.inplace_first)
+                x = norm_act(x, mods[0], mods[1], self.specs[names[0]], inplace=self.inplace[i])
             else:
                 x = norm_act_conv(x, mods[0], mods[1], inner_conv(mods[2]), self.specs[names[0]])
         return x
@@ -222,7 +239,8 @@ def splittable_conv(module: nn.Module) -> tuple[nn.Module, str] | None:
         parent, name = module, next(iter(module._modules))
         module = module._modules[name]
     ok = isinstance(module, (*_CONV, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d))
-    return (parent, name) if ok and parent is not None and module.groups == 1 else None
+    ok = ok and module.groups == 1 and module.padding_mode == "zeros" and not isinstance(module.padding, str)
+    return (parent, name) if ok and parent is not None else None
 
 
 class PartsSkip(nn.Module):

@@ -23,7 +23,7 @@ from medseg.kernels.blocks import (
     inner_conv,
     splittable_conv,
 )
-from medseg.kernels.functions import NormActSpec
+from medseg.kernels.functions import NOT_INVERTIBLE, NormActSpec
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +75,19 @@ def _plan_sequential(seq: nn.Sequential, prefix: str, report: MemoryReport):
             i += 1
             continue
         conv = inner_conv(seq._modules[names[j + 1]]) if j + 1 < len(names) else None
-        if spec.act == "relu" and conv is None:
-            report.skipped[prefix + name] = "ReLU cannot be inverted and no convolution follows to fuse with"
+        if spec.act in NOT_INVERTIBLE and conv is None:
+            report.skipped[prefix + name] = (
+                f"{spec.act} is not inverted and no convolution follows to fuse with"
+            )
             plan.append(("module", name))
             i += 1
             continue
         specs[name] = spec
-        if spec.act == "relu":
+        if spec.act in NOT_INVERTIBLE:
             plan.append(("norm_act_conv", name, names[j], names[j + 1]))
-            report.converted[prefix + name] = f"{spec.norm} norm + relu + conv (input kept, map rebuilt)"
+            report.converted[prefix + name] = (
+                f"{spec.norm} norm + {spec.act} + conv (input kept, map rebuilt)"
+            )
             i = j + 2
         else:
             plan.append(("norm_act", name, names[j]))
@@ -113,13 +117,13 @@ def _convert_block(child: nn.Module, prefix: str, report: MemoryReport) -> nn.Mo
             _pair(child, "norm1", "lrelu", prefix, report),
             _pair(child, "norm2", "lrelu", prefix, report),
         )
-        if s1 and s2 and s1.act != "relu":
+        if s1 and s2 and s1.act not in NOT_INVERTIBLE:
             for n in ("norm1", "norm2"):
                 report.converted[prefix + n] = f"{s1.norm} norm + {s1.act} (output kept, inverted)"
             return FusedUnetBasicBlock(child, s1, s2)
     elif isinstance(child, UnetResBlock):
         s1 = _pair(child, "norm1", "lrelu", prefix, report)
-        if s1 and s1.act != "relu":
+        if s1 and s1.act not in NOT_INVERTIBLE:
             report.converted[prefix + "norm1"] = f"{s1.norm} norm + {s1.act} (output kept, inverted)"
             report.skipped[prefix + "norm2"] = "a residual addition sits between norm and activation"
             s3 = None

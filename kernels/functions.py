@@ -10,11 +10,14 @@ Two functions, chosen per call by whether the activation can be inverted:
     backward ``y = act⁻¹(z)``, ``x̂ = (y − β)/γ``, then the norm backward (reference.py). dx is
              written over z's storage: z is dead by then, because every consumer of z has already
              run its backward (Layrub's reuse of dead activation buffers). A second backward
-             through a retained graph therefore fails loudly with PyTorch's in-place error.
+             through a retained graph therefore fails loudly with PyTorch's in-place error, and
+             a caller must not read z itself after backward (a network's own output never is
+             one: MONAI's nets end in a convolution).
     Falls back to saving the input (and recomputing) when the activation is ReLU, or when an
     inverse would be ill-conditioned (``|γ|`` tiny against ``|β|``, a PReLU slope ≤ 0).
 
-``FusedNormActConv`` for activations that cannot be inverted (ReLU: SegResNet's default)
+``FusedNormActConv`` for activations that cannot be inverted (ReLU: SegResNet's default; ELU,
+whose inverse is ill-conditioned in float32)
     forward  ``out = conv(act(norm(x)))``; saves **only x** (the norm's input) and ``μ, σ⁻¹``:
              the activated map is freed right after the convolution has consumed it.
     backward rebuilds ``z = act(norm(x))`` from x and the saved statistics (cheap, element-wise),
@@ -74,8 +77,13 @@ def replayable_backward() -> Iterator[None]:
         _REUSE_DEAD_BUFFERS = previous
 
 
+# ELU's inverse log1p(z/α) loses float32 precision like e^(−y) and saturates to −inf once z rounds
+# to −α (y ≲ −17): one dark outlier would make a whole group's gradient NaN. ELU keeps its input.
+NOT_INVERTIBLE = ("relu", "elu")
+
+
 def _invertible(spec: NormActSpec, weight, bias, prelu) -> bool:
-    if spec.act == "relu" or (spec.act in ("leaky_relu", "elu") and spec.param <= 0):
+    if spec.act in NOT_INVERTIBLE or (spec.act == "leaky_relu" and spec.param <= 0):
         return False
     if spec.act == "prelu" and bool((prelu <= 0).any()):
         return False
