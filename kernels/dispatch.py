@@ -13,7 +13,6 @@ Both backends expose the same three calls (integer codes from ``NORM_CODES``/``A
 
 from __future__ import annotations
 
-import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,10 +21,7 @@ import torch
 from medseg.kernels import native
 from medseg.kernels import reference as ref
 
-log = logging.getLogger(__name__)
-
-NORM_CODES = {name: i for i, name in enumerate(ref.NORMS)}
-ACT_CODES = {name: i for i, name in enumerate(ref.ACTIVATIONS)}
+NORM_CODES, ACT_CODES = native.NORM_CODES, native.ACT_CODES
 _NATIVE_DTYPES = (torch.float32, torch.float64)
 
 

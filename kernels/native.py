@@ -30,12 +30,15 @@ from types import ModuleType
 
 import torch
 
+from medseg.kernels.reference import ACTIVATIONS, NORMS
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 EXTENSION_NAME = "medseg_norm_act"
-NORM_CODES = {"instance": 0, "group": 1, "batch": 2}
-ACT_CODES = {"identity": 0, "relu": 1, "leaky_relu": 2, "prelu": 3, "elu": 4}
+# The integer codes the C++/CUDA ops take: positions in reference.py's lists (one source).
+NORM_CODES = {name: i for i, name in enumerate(NORMS)}
+ACT_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
 # -ffp-contract=off: the element-wise steps must round like the reference (no fused multiply-add),
 # so that the y > 0 branch is decided identically. -fno-trapping-math lets the branch selects be
 # vectorised (values are unchanged; only FP exception flags could differ). -fopenmp:

@@ -199,9 +199,9 @@ def backward(
     dprelu = None
     if spec.act == "prelu":
         contrib = torch.where(pos, torch.zeros_like(y), grad_out * y)
-        dims = [0, *range(2, y.dim())]
-        dprelu = contrib.sum(dims) if prelu.numel() > 1 else contrib.sum().reshape(prelu.shape)
-        dprelu = dprelu.reshape(prelu.shape)
+        dprelu = (contrib.sum([0, *range(2, y.dim())]) if prelu.numel() > 1 else contrib.sum()).reshape(
+            prelu.shape
+        )
 
     channel_dims = [0, *range(2, y.dim())]
     dweight = (dy * xhat).sum(channel_dims) if weight is not None else None
