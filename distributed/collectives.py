@@ -1,4 +1,8 @@
-"""Compressed allreduce over a Horovod process set (DeepSpeed 1-bit Adam's scheme, fixed-bit codes).
+"""Compressed allreduce over a group of workers (DeepSpeed 1-bit Adam's scheme, fixed-bit codes).
+
+The group is a Horovod process set (``process_set=``, bsp) or a ``torch.distributed`` group
+(``transport=`` a :class:`~medseg.distributed.channel.TorchTransport`, gssp's in-site average); the
+maths and the byte accounting below are the same on both.
 
 :class:`CompressedAllreduce` averages a dict of float tensors over the ``N`` workers of a process set
 while every worker sends about ``2 (N-1)/N * bits/8`` bytes per element, a cost that does not grow
@@ -112,18 +116,26 @@ class CompressedAllreduce:
         min_numel: int = 4096,
         clip: float | None | str = DEFAULT,
         name: str = "cmp",
+        transport: Any = None,
     ) -> None:
         check_bits(bits)
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 1:
             raise ConfigError(f"compressed allreduce: min_numel must be an integer >= 1, got {min_numel!r}")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"compressed allreduce: name must be a non-empty string, got {name!r}")
-        self._hvd = _horovod()
         self.bits = bits
         self.clip = resolve_clip(bits, clip)
         self.min_numel = min_numel
         self.name = name
-        self.process_set = self._hvd.global_process_set if process_set is None else process_set
+        if transport is None:
+            from medseg.distributed.channel import HorovodTransport
+
+            self._hvd = _horovod()
+            self.process_set = self._hvd.global_process_set if process_set is None else process_set
+            transport = HorovodTransport(self._hvd, self.process_set)
+        else:
+            self._hvd, self.process_set = None, None
+        self.transport = transport
         self.stage1 = ErrorFeedback(bits, self.clip)
         self.stage2 = ErrorFeedback(bits, self.clip)
         self.last_bytes_sent: float = 0.0
@@ -163,7 +175,17 @@ class CompressedAllreduce:
         self.stage1.reset()
         self.stage2.reset()
 
+    def state_dict(self) -> dict[str, dict[str, Tensor]]:
+        """Both residuals (this worker's own), for checkpoints: a resumed run continues them."""
+        return {"stage1": self.stage1.state_dict(), "stage2": self.stage2.state_dict()}
+
+    def load_state_dict(self, state: dict[str, dict[str, Tensor]]) -> None:
+        self.stage1.load_state_dict(state["stage1"])
+        self.stage2.load_state_dict(state["stage2"])
+
     def _set_geometry(self) -> tuple[int, int]:
+        if self.process_set is None:
+            return self.transport.size(), self.transport.index()
         ps = self.process_set
         n = ps.size()
         if n is None:
@@ -212,15 +234,12 @@ class CompressedAllreduce:
         return {k: out[k] for k in tensors}
 
     def _allreduce_small(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        hvd = self._hvd
         flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors.values()])
-        avg = hvd.allreduce(flat, op=hvd.Average, name=f"{self.name}.small", process_set=self.process_set)
+        avg = self.transport.allreduce_mean(flat, f"{self.name}.small")
         parts = avg.split([t.numel() for t in tensors.values()])
         return {k: p.view(t.shape).to(t.dtype) for (k, t), p in zip(tensors.items(), parts)}
 
     def _compressed(self, tensors: dict[str, Tensor], n: int, index: int) -> dict[str, Tensor]:
-        hvd = self._hvd
-        ps = self.process_set
         device = next(iter(tensors.values())).device
         sizes = {k: split_sizes(t.numel(), n) for k, t in tensors.items()}
 
@@ -231,14 +250,13 @@ class CompressedAllreduce:
             for j in range(n):
                 to_dest[j].append(bufs[j])
         send = torch.cat([torch.cat(bufs) for bufs in to_dest])
-        splits = torch.tensor([sum(b.numel() for b in bufs) for bufs in to_dest], dtype=torch.int32)
-        recv, recv_splits = hvd.alltoall(send, splits=splits, name=f"{self.name}.alltoall", process_set=ps)
-
+        splits = [sum(b.numel() for b in bufs) for bufs in to_dest]
         own = {k: encoded_nbytes(sizes[k][index], self.bits) for k in tensors}
         per_source = sum(own.values())
-        if recv.numel() != n * per_source or any(int(s) != per_source for s in recv_splits):
+        recv = self.transport.alltoall(send, splits, [per_source] * n, f"{self.name}.alltoall")
+        if recv.numel() != n * per_source:
             raise ConfigError(
-                f"compressed allreduce {self.name!r}: received {recv_splits.tolist()} bytes, expected "
+                f"compressed allreduce {self.name!r}: received {recv.numel()} bytes, expected "
                 f"{per_source} from each of {n} workers; do all workers pass the same tensors?"
             )
 
@@ -252,8 +270,8 @@ class CompressedAllreduce:
 
         # Stage 2: error feedback on the averaged chunk, then everyone gathers every chunk.
         mine = torch.cat([self.stage2.compress(k, sums[k] / n)[0] for k in tensors])
-        gathered = hvd.allgather(mine, name=f"{self.name}.allgather", process_set=ps)
         blocks = self.block_nbytes([t.numel() for t in tensors.values()], n)
+        gathered = self.transport.allgather(mine, blocks, f"{self.name}.allgather")
         if gathered.numel() != sum(blocks):
             raise ConfigError(
                 f"compressed allreduce {self.name!r}: allgather returned {gathered.numel()} bytes, "

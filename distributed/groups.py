@@ -11,7 +11,7 @@ The pieces, in the order a launcher uses them:
    number of groups with the Calinski-Harabasz index (:func:`calinski_harabasz`); or
    :func:`parse_groups` validates groups written by the user.
 3. :func:`group_shares` gives group ``g`` the share ``s_g = sum_{r in g} v_r / sum_r v_r``.
-4. :func:`rank_share_indices` (and :class:`ShareSampler`) deal one epoch's shuffled samples out:
+4. :func:`rank_share_indices` (and :func:`static_share`) deal the shuffled samples out:
    a contiguous block of ``~s_g * n`` samples per group, split as equally as possible among the
    group's ranks; :func:`steps_per_epoch` turns that into optimizer steps per group.
 
@@ -25,10 +25,9 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
-import torch.utils.data
 
 from medseg.errors import ConfigError
 
@@ -386,51 +385,40 @@ def steps_per_epoch(
     return [-(-max(s) // batch_size) for s in _rank_sizes(n_samples, groups, shares)]
 
 
-class ShareSampler(torch.utils.data.Sampler[int]):
-    """A ``DataLoader`` sampler yielding this rank's share of each epoch (:func:`rank_share_indices`).
+def static_share(
+    n_samples: int,
+    groups: Sequence[Sequence[int]],
+    periods: Sequence[int],
+    batch_size: int,
+    rank: int,
+    seed: int,
+) -> tuple[list[int], int]:
+    """This rank's own samples for the whole run, and how many of them it trains on per epoch.
 
-    Call :meth:`set_epoch` before each epoch, as with ``DistributedSampler``, so that every epoch
-    draws a new permutation that all ranks agree on. ``len()`` is this rank's number of samples,
-    which does not depend on the epoch. ``limit`` keeps only the first ``limit`` indices of the
-    share (the training loop trims every rank to whole synchronisation rounds).
+    A rank keeps the same samples every epoch, so it caches only those (and a disk cache shared by
+    the ranks of a host is filled once). Rank r of group g gets a share proportional to
+    ``period_g`` (its group's speed relative to the slowest): :func:`rank_share_indices` at epoch 0
+    with shares ``|g|·period_g``. Every group must submit the same number of rounds per epoch
+    (the cross-group collectives are matched by round), so an epoch is
+
+        R = min over ranks of ⌊n_r / (b · period_g)⌋ rounds,
+
+    and rank r trains on ``R · period_g · b`` of its samples each epoch, drawn anew each epoch (a
+    permutation of its own samples seeded by the epoch), so over epochs it sees all of them.
+    Returns ``(indices, per_epoch)``; raises ConfigError when some rank cannot fill one round.
     """
-
-    def __init__(
-        self,
-        n_samples: int,
-        groups: Sequence[Sequence[int]],
-        shares: Sequence[float],
-        rank: int,
-        seed: int = 0,
-        limit: int | None = None,
-    ) -> None:
-        self.n_samples = n_samples
-        self.groups = [list(g) for g in groups]
-        self.shares = list(shares)
-        self.rank = rank
-        self.seed = seed
-        self.epoch = 0
-        # Validate everything now, not at the first iteration.
-        full = len(rank_share_indices(n_samples, self.groups, self.shares, rank, 0, seed))
-        if limit is not None and not 0 <= limit <= full:
-            raise ConfigError(f"share: limit {limit} is outside 0..{full}, this rank's share")
-        self.limit = full if limit is None else limit
-        self._len = self.limit
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the permutation of ``epoch`` for the next iteration."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ConfigError(f"share: epoch must be an integer >= 0, got {epoch!r}")
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        indices = rank_share_indices(
-            self.n_samples, self.groups, self.shares, self.rank, self.epoch, self.seed
+    groups = [list(g) for g in groups]
+    weights = [len(g) * p for g, p in zip(groups, periods)]
+    sizes = _rank_sizes(n_samples, groups, weights)
+    rounds = min(size // (batch_size * p) for g, p, row in zip(groups, periods, sizes) for size in row)
+    if rounds < 1:
+        raise ConfigError(
+            f"data: {n_samples} training cases cannot give every rank one batch of {batch_size} per round "
+            f"(groups {groups}, steps per round {list(periods)}); lower train.batch_size or use more data"
         )
-        return iter(indices[: self.limit])
-
-    def __len__(self) -> int:
-        return self._len
+    g = next(i for i, grp in enumerate(groups) if rank in grp)
+    indices = rank_share_indices(n_samples, groups, weights, rank, 0, seed)
+    return indices, rounds * periods[g] * batch_size
 
 
 def profile_throughput(step_fn: Callable[[], int], warmup: int = 1, steps: int = 3) -> float:

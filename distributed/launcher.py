@@ -1,17 +1,24 @@
 """Start a training job on several ranks under ``horovodrun`` and watch it until it ends.
 
 ``medseg train --config C --np N [--hosts h1:4,h2:4]`` re-executes itself as N workers through
-Horovod's own launcher (Gloo controller; NCCL data path where Horovod was built with it). The parent
-never trains: it watches the workers' heartbeat files (``<run>/ranks/rank-R.jsonl``, appended after
-every step) and stops the whole job when
+Horovod's own launcher (Gloo controller; ssh to other hosts, as horovodrun does). The parent never
+trains: it serves the heartbeat endpoint every rank connects to (:mod:`medseg.distributed.heartbeat`;
+servers in different hospitals share no file system, so progress travels over the network), writes
+what the ranks report to ``<run>/ranks/rank-R.jsonl``, and stops the whole job when
 
 - a worker exits with an error: horovodrun ends the others; the first rank that failed is named;
-- the job is stuck: no rank has completed a step for ``dist.timeout_s`` seconds. A dead or hung
-  rank makes every other rank wait in its next collective, so the rank whose last heartbeat is the
-  oldest is the one that stopped first, and it is named.
+- a rank goes silent for ``dist.timeout_s`` (dead, frozen, or its site cut off), or every rank is
+  training but none has completed a step for ``dist.timeout_s``; the rank, its host and site are
+  named. Loading data, validating and waiting for the chief are reported phases, never "hung".
 
 Either way the last checkpoint is intact (it is written atomically between epochs) and ``--resume``
-continues from it.
+continues from it. Horovod's own stall shutdown is switched off (the watchdog decides), and
+Horovod's Gloo timeout is raised to ``dist.timeout_s`` + 60 s so that a long collective is not
+killed by Horovod's 30 s default before the watchdog has looked at it.
+
+Environment the launcher reads: ``MEDSEG_BEAT_HOST`` (the address ranks use to reach this process;
+default 127.0.0.1 for a single-host job, else this host's name), ``MEDSEG_HOROVODRUN_ARGS`` (extra
+horovodrun arguments, e.g. ``--network-interfaces br0``, used by the site testbed).
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +37,7 @@ import time
 from pathlib import Path
 
 from medseg.config import Config
+from medseg.distributed.heartbeat import BEAT_ADDR_ENV, BeatServer, Watchdog, describe
 from medseg.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
@@ -69,15 +79,6 @@ def worker_command(config: Path, overrides: list[str], resume: bool, straggler: 
     return cmd + list(overrides)
 
 
-def _heartbeats(ranks_dir: Path, np_: int) -> dict[int, float]:
-    beats = {}
-    for r in range(np_):
-        path = ranks_dir / f"rank-{r}.jsonl"
-        if path.exists():
-            beats[r] = path.stat().st_mtime
-    return beats
-
-
 def launch(
     cfg: Config,
     config_path: Path,
@@ -103,22 +104,27 @@ def launch(
     shutil.rmtree(ranks_dir, ignore_errors=True)
     ranks_dir.mkdir(parents=True)
     timeout = cfg.dist.timeout_s
-    cmd = [
-        horovodrun_path(),
-        "-np",
-        str(np_),
-        "-H",
-        parse_hosts(hosts, np_),
-        "--gloo",
-        "--start-timeout",
-        "60",
-    ]
+    hosts_arg = parse_hosts(hosts, np_)
+    cmd = [horovodrun_path(), "-np", str(np_), "-H", hosts_arg, "--gloo", "--start-timeout", "60"]
+    cmd += shlex.split(os.environ.get("MEDSEG_HOROVODRUN_ARGS", ""))
     cmd += worker_command(config_path, overrides, resume, straggler)
+    beats = BeatServer(ranks_dir)
+    single_host = hosts is None
+    beat_host = os.environ.get("MEDSEG_BEAT_HOST") or ("127.0.0.1" if single_host else socket.getfqdn())
     env = dict(os.environ, **{WORKER_ENV: "1", "PYTHONUNBUFFERED": "1"})
+    env[BEAT_ADDR_ENV] = f"{beat_host}:{beats.port}"
+    env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = "0"
+    env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(timeout) + 60))
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")  # N copies of library noise
     log.info("launching %d ranks: %s", np_, " ".join(cmd))
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
     )
     first_failure: list[int] = []  # [rank, exit code] of the first rank horovodrun saw fail
 
@@ -134,42 +140,62 @@ def launch(
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    started = time.time()
-    hung: tuple[int, float] | None = None
-    while proc.poll() is None:
-        time.sleep(1.0)
-        beats = _heartbeats(ranks_dir, np_)
-        now = time.time()
-        # Before every rank has beaten once (start-up, data caching), allow a longer grace period.
-        limit = timeout if len(beats) == np_ else max(timeout, 600.0)
-        newest = max(beats.values(), default=started)
-        if now - max(newest, started) > limit:
-            silent = {r: beats.get(r, started) for r in range(np_)}
-            culprit = min(silent, key=lambda r: silent[r])
-            hung = (culprit, now - silent[culprit])
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            break
+    watchdog = Watchdog(np_, timeout)
+    hung: str | None = None
+    try:
+        while proc.poll() is None:
+            time.sleep(1.0)
+            hung = watchdog.verdict(beats.snapshot())
+            if hung is not None:
+                _stop(proc)
+                break
+    except BaseException:
+        _stop(proc)
+        raise
+    finally:
+        states = beats.snapshot()
+        beats.close()
     reader.join(timeout=5)
     resume_hint = f"continue with `medseg train --config {config_path} --np {np_} --resume`"
     if hung is not None:
         raise RunError(
-            f"rank {hung[0]} stopped responding (no step for {hung[1]:.0f} s, dist.timeout_s={timeout:g}); "
-            f"all ranks were stopped. {_checkpoint_note(last)}; {resume_hint}"
+            f"{hung} (dist.timeout_s={timeout:g}); all ranks were stopped. {_checkpoint_note(last)}; {resume_hint}"
         )
     if proc.returncode != 0:
         if first_failure:
             rank, code = first_failure[0], first_failure[1] if len(first_failure) > 1 else None
-            what = f"rank {rank} exited with status {code}" + (
+            what = f"{describe(rank, states.get(rank))} exited with status {code}" + (
                 " (killed)" if code in (-9, 137, -15, 143) else ""
             )
         else:
             what = f"horovodrun exited with status {proc.returncode}"
         raise RunError(f"{what}; the other ranks were stopped. {_checkpoint_note(last)}; {resume_hint}")
+
+
+def _die_with_parent() -> None:
+    """In horovodrun's process: get SIGTERM when the launcher dies, even by SIGKILL (Linux prctl).
+
+    horovodrun's per-rank middlemen end their ranks when horovodrun goes, so no rank outlives a
+    launcher that was killed (a CI timeout, an OOM kill).
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the launcher's own handlers still stop the job on SIGTERM/SIGINT
+        pass
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End horovodrun and every rank it started (its own process group), politely then not."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
 
 
 def _checkpoint_note(last: Path) -> str:

@@ -1,18 +1,20 @@
 """What the training loop asks of the distributed backend, whatever the synchronisation mode.
 
 :class:`LocalSession` trains in one process and changes nothing. :class:`HorovodSession` runs
-inside a rank started by horovodrun: it measures each rank's speed, forms groups, hands out each
-rank's share of an epoch, wraps the optimizer for the chosen mode, slows a rank down when asked
-(straggler simulation), writes a heartbeat line per step to ``<run>/ranks/rank-R.jsonl`` (which the
-launcher watches) and gathers the epoch's numbers on rank 0.
+inside a rank started by horovodrun: it reports to the launcher over the network (heartbeats and
+per-step records, :mod:`medseg.distributed.heartbeat`), joins medseg's ``torch.distributed``
+channel (:mod:`medseg.distributed.channel`), measures each rank's speed on a batch made
+beforehand, forms groups (by default one per host, i.e. per site), hands out each rank's own
+cases, wraps the optimizer for the chosen mode, slows a rank down when asked (straggler
+simulation), and gathers the epoch's numbers and every rank's synchronisation state on rank 0.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,7 +22,8 @@ from typing import Any
 import torch
 
 from medseg.config import Config
-from medseg.distributed.groups import ShareSampler, choose_groups, parse_groups
+from medseg.distributed.groups import choose_groups, parse_groups, static_share
+from medseg.distributed.heartbeat import BeatClient
 from medseg.distributed.straggler import Straggler
 from medseg.errors import ConfigError
 
@@ -40,8 +43,19 @@ class LocalSession:
     ) -> torch.optim.Optimizer:
         return optimizer
 
-    def sampler(self, n_items: int, batch_size: int, seed: int) -> None:
+    def own_cases(self, n_items: int, batch_size: int, seed: int) -> tuple[list[int], int | None]:
+        """This rank's cases and how many it trains on per epoch (None: all, shuffled)."""
+        return list(range(n_items)), None
+
+    def share_state(self, state: Any) -> Any:
+        """The chief's resume state on every rank (one process: as it is)."""
+        return state
+
+    def gather_sync_state(self, optimizer: Any) -> list[dict[str, Any]] | None:
         return None
+
+    def load_sync_state(self, optimizer: Any, states: list[dict[str, Any]] | None) -> None:
+        """Nothing to restore in one process."""
 
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
@@ -50,7 +64,7 @@ class LocalSession:
     def after_step(self, epoch: int, step: int, n_samples: int) -> None:
         """No heartbeat outside a launched job."""
 
-    def beat(self, what: str) -> None:
+    def phase(self, what: str) -> None:
         """No heartbeat outside a launched job."""
 
     def start_epoch(self) -> None:
@@ -64,71 +78,83 @@ class LocalSession:
 
 
 class HorovodSession(LocalSession):
-    """A rank of a job started by :func:`medseg.distributed.launcher.launch`."""
+    """A rank of a job started by :func:`medseg.distributed.launcher.launch` (or a user's horovodrun)."""
 
     def __init__(self, cfg: Config, straggler: str | None) -> None:
         import horovod.torch as hvd
 
+        from medseg.distributed.channel import Channel
+
+        rank = int(os.environ.get("HOROVOD_RANK", "0"))
+        self.beats = BeatClient(rank)  # first, so the launcher hears from this rank at once
+        self.beats.send({"ev": "started", "pid": os.getpid()})
         self.hvd, self.cfg, self.dist = hvd, cfg, cfg.dist
-        timeout = str(int(cfg.dist.timeout_s))
-        # Horovod's stall inspector: warn at half the timeout, shut the collectives down at the timeout.
+        # Horovod's stall inspector may warn; it must not shut the job down: the watchdog decides.
         os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(int(cfg.dist.timeout_s) // 2, 1)))
-        os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", timeout)
-        hvd.init(process_sets="dynamic")
+        os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = "0"
+        hvd.init()
         self.rank, self.size = hvd.rank(), hvd.size()
         self.is_chief = self.rank == 0
+        self.channel = Channel(hvd, cfg.dist.timeout_s)
+        self.hosts: list[str] = self.channel.gather_objects(
+            os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        )
         self.straggler = Straggler.for_rank(straggler, self.rank)
         self.groups: list[list[int]] = [list(range(self.size))]
         self.periods = [1]
         self.group_index = 0
-        self.group_set = hvd.global_process_set
         self.speeds: list[float] = []
         self.compute_s = 0.0
-        ranks_dir = cfg.run_dir / "ranks"
-        ranks_dir.mkdir(parents=True, exist_ok=True)
-        self.beat_path = ranks_dir / f"rank-{self.rank}.jsonl"
-        self._beat_file = open(self.beat_path, "a", buffering=1)  # noqa: SIM115 - kept open for the run
-        (ranks_dir / f"rank-{self.rank}.pid").write_text(str(os.getpid()))
         self.optimizer: Any = None
         self.epoch_tic = time.perf_counter()
         self.epoch_samples = 0
-        self.beat("started")
+        self._step_tic = 0.0
+        self._step_compute = 0.0
 
     # -- groups ---------------------------------------------------------------------------------
     def prepare(self, profile_step: Callable[[], int]) -> None:
-        """Measure every rank's samples/s, form groups and their periods, register process sets."""
-        hvd, d = self.hvd, self.dist
-        if d.sync in ("gssp", "ssp"):
-            # All ranks are timed at once, after a barrier, under the same load as training itself
-            # (ranks sharing a machine slow each other down there too); the median of several steps
-            # resists one-off stalls.
-            hvd.barrier()
-            mine = self._time_steps(profile_step, d.profile_steps)
-            self.speeds = [float(v) for v in hvd.allgather_object(mine)]
+        """Measure every rank's samples/s, form groups and their round lengths, build the channel's groups."""
+        d = self.dist
+        self.phase("profile")
+        if d.sync in ("gssp", "ssp", "local-sgd"):
+            if d.sync != "local-sgd":
+                # All ranks are timed at once, after a barrier, under the same load as training
+                # itself; the median of several steps resists one-off stalls.
+                self.channel.barrier()
+                mine = self._time_steps(profile_step, d.profile_steps)
+                self.speeds = [float(v) for v in self.channel.gather_objects(mine)]
             if d.sync == "ssp":
-                self.groups = [[r] for r in range(self.size)]
+                groups = [[r] for r in range(self.size)]
             elif d.groups:
-                self.groups = parse_groups(d.groups, self.size)
+                groups = parse_groups(d.groups, self.size)
+            elif d.group_by == "host" or d.sync == "local-sgd":
+                groups = self._groups_by_host()
             else:
-                self.groups = choose_groups(self.speeds, k=d.num_groups or None)
+                groups = choose_groups(self.speeds, k=d.num_groups or None)
             # Every rank must agree on the groups: rank 0's decision is the one used.
-            self.groups = hvd.broadcast_object(self.groups, root_rank=0, name="medseg.groups")
-            self.periods = self._periods(self.speeds)
+            self.groups = self.channel.broadcast_object(groups)
+            if self.speeds:
+                self.periods = self._periods(self.speeds)
+            else:
+                self.periods = [1] * len(self.groups)
         self.group_index = next(i for i, g in enumerate(self.groups) if self.rank in g)
-        for group in self.groups:  # every rank registers every set, in the same order
-            ps = hvd.add_process_set(group) if 1 < len(group) < self.size else None
-            if self.rank in group:
-                self.group_set = (
-                    ps if ps is not None else (hvd.global_process_set if len(group) == self.size else None)
-                )
+        self.channel.set_groups(self.groups)
         if self.is_chief:
             log.info(
-                "sync %s: groups %s, rounds of %s steps, measured samples/s %s",
+                "sync %s: groups %s on hosts %s, rounds of %s steps, measured samples/s %s",
                 d.sync,
                 self.groups,
+                [sorted({self.hosts[r] for r in g}) for g in self.groups],
                 self.periods,
                 [round(v, 2) for v in self.speeds] or "not measured",
             )
+
+    def _groups_by_host(self) -> list[list[int]]:
+        """One group per host, in order of each host's lowest rank."""
+        by_host: dict[str, list[int]] = {}
+        for r, h in enumerate(self.hosts):
+            by_host.setdefault(h, []).append(r)
+        return sorted(by_host.values(), key=min)
 
     def _periods(self, speeds: list[float]) -> list[int]:
         """Steps per round of each group: its mean per-rank speed over the slowest group's, rounded."""
@@ -136,7 +162,10 @@ class HorovodSession(LocalSession):
         return [max(1, round(v / min(per_rank))) for v in per_rank]
 
     def _time_steps(self, profile_step: Callable[[], int], steps: int) -> float:
-        """Median samples/s of ``steps`` training steps after two warm-up steps."""
+        """Median samples/s of ``steps`` forward+backward passes after two warm-up passes.
+
+        ``profile_step`` works on a batch made before timing starts, so loading is never timed.
+        """
         for _ in range(2):  # first steps pay for allocation and lazy initialisation
             with self.compute():
                 profile_step()
@@ -147,51 +176,55 @@ class HorovodSession(LocalSession):
                 n = profile_step()
             rates.append(n / (time.perf_counter() - tic))
         log.debug("rank %d profile rates %s", self.rank, [round(r, 2) for r in rates])
+        self.compute_s = 0.0
         return sorted(rates)[len(rates) // 2]
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
-        from medseg.distributed.sync import BulkSynchronous, GroupStale, LocalSGD
+    def own_cases(self, n_items: int, batch_size: int, seed: int) -> tuple[list[int], int | None]:
+        return static_share(n_items, self.groups, self.periods, batch_size, self.rank, seed)
 
-        hvd, d = self.hvd, self.dist
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        if optimizer.state:  # a resumed run; a fresh optimizer is the same everywhere (and Horovod
-            hvd.broadcast_optimizer_state(optimizer, root_rank=0)  # would take a zero-gradient step)
+    def share_state(self, state: Any) -> Any:
+        return self.channel.broadcast_object(state if self.is_chief else None)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
+        from medseg.distributed.sync import BulkSynchronous, GroupStale, LocalSGD, assign, flat
+
+        d = self.dist
+        # One model everywhere: rank 0's parameters and buffers (its checkpoint's on a resume).
+        tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
+        vector = flat(tensors)
+        self.channel.broadcast_tensor(vector)
+        assign(tensors, vector)
         if d.sync == "bsp":
-            self.optimizer = BulkSynchronous(optimizer, model, d.compression, d.bits)
+            self.optimizer = BulkSynchronous(optimizer, model, d.compression, d.bits, self.hosts)
         elif d.sync == "local-sgd":
-            self.optimizer = LocalSGD(optimizer, model, d.period)
+            self.optimizer = LocalSGD(optimizer, model, self.channel, d.period)
         else:
             self.optimizer = GroupStale(
                 optimizer,
                 model,
-                self.groups,
-                self.group_set,
+                self.channel,
                 self.periods[self.group_index],
                 d.staleness,
                 d.dc_lambda,
                 d.compression,
                 d.bits,
+                on_event=self.beats.send,
             )
         return self.optimizer
 
-    def sampler(self, n_items: int, batch_size: int, seed: int) -> ShareSampler:
-        """This rank's items of each epoch: a share ∝ |g|·period_g, trimmed to whole rounds.
+    def gather_sync_state(self, optimizer: Any) -> list[dict[str, Any]] | None:
+        """Every rank's own synchronisation state (residuals), in rank order, on every rank."""
+        return self.channel.gather_objects(optimizer.sync_state())
 
-        Every group must submit the same number of rounds per epoch (the cross-group collectives
-        are matched by round), so R = ⌊n / (b Σ_g |g| period_g)⌋ rounds and rank r of group g
-        takes R·period_g·b items.
-        """
-        weights = [len(g) * p for g, p in zip(self.groups, self.periods)]
-        rounds = n_items // (batch_size * sum(weights))
-        if rounds < 1:
-            raise ConfigError(
-                f"data: {n_items} training cases cannot give every rank one batch of {batch_size} per round "
-                f"(groups {self.groups}, periods {self.periods}); lower train.batch_size or use more data"
+    def load_sync_state(self, optimizer: Any, states: list[dict[str, Any]] | None) -> None:
+        if states and len(states) == self.size:
+            optimizer.load_sync_state(states[self.rank])
+        elif states:
+            log.warning(
+                "checkpoint holds synchronisation state of %d ranks, not %d: residuals restart",
+                len(states),
+                self.size,
             )
-        take = rounds * self.periods[self.group_index] * batch_size
-        return ShareSampler(
-            n_items, self.groups, [w / sum(weights) for w in weights], self.rank, seed=seed, limit=take
-        )
 
     # -- per step -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -199,27 +232,36 @@ class HorovodSession(LocalSession):
         tic = time.perf_counter()
         with self.straggler:
             yield
-        self.compute_s += time.perf_counter() - tic
+        self._step_compute = time.perf_counter() - tic
+        self.compute_s += self._step_compute
 
-    def beat(self, what: str) -> None:
-        self._beat_file.write(json.dumps({"t": round(time.time(), 3), "event": what}) + "\n")
+    def phase(self, what: str) -> None:
+        self.beats.set_phase(what)
 
     def after_step(self, epoch: int, step: int, n_samples: int) -> None:
         stats = self.optimizer.stats
         self.epoch_samples += n_samples
-        record = {
-            "t": round(time.time(), 3),
-            "epoch": epoch,
-            "step": step,
-            "staleness": stats.last_staleness,
-            "bytes": stats.bytes_sent,
-        }
-        self._beat_file.write(json.dumps(record) + "\n")
+        self.beats.send(
+            {
+                "epoch": epoch,
+                "step": step,
+                "staleness": stats.last_staleness,
+                "bytes": stats.bytes_sent,
+                "wan_bytes": stats.wan_bytes,
+                "compute_s": round(self._step_compute, 5),
+                "site_s": round(stats.step_site_s, 5),
+                "wan_s": round(stats.step_wan_s, 5),
+                "inflight": stats.inflight,
+                "group": self.group_index,
+            }
+        )
 
     def start_epoch(self) -> None:
-        # Rank 0 validates between epochs while the others would run on and block in their first
-        # collective: start every rank's epoch clock together, so epoch times measure training.
-        self.hvd.barrier()
+        # Rank 0 validates between epochs: everyone waits for it here (alive, in phase "wait"), so
+        # that epoch clocks start together and measure training.
+        self.phase("wait")
+        self.channel.barrier()
+        self.phase("train")
         self.epoch_samples, self.epoch_tic, self.compute_s = 0, time.perf_counter(), 0.0
 
     def end_epoch(self, optimizer: Any) -> dict[str, Any]:
@@ -231,32 +273,39 @@ class HorovodSession(LocalSession):
             "samples": self.epoch_samples,
             "steps": stats.steps,
             "bytes": stats.bytes_sent,
-            "wait_s": stats.wait_s,
+            "wan_bytes": stats.wan_bytes,
+            "site_s": stats.site_s,
+            "wan_wait_s": stats.wan_wait_s,
             "max_staleness": max(stats.staleness, default=0),
             "wall_s": wall,
             "slept_s": self.straggler.slept_s,
             "compute_s": self.compute_s,
         }
-        everyone = self.hvd.allgather_object(mine)
+        everyone = self.channel.gather_objects(mine)
         stats.reset()
         slowest = max(r["wall_s"] for r in everyone)
         return {
             "dist_samples_per_s": sum(r["samples"] for r in everyone) / slowest,
             "dist_epoch_s": slowest,
             "dist_bytes_per_step": sum(r["bytes"] / max(r["steps"], 1) for r in everyone) / len(everyone),
+            "dist_wan_bytes": sum(r["wan_bytes"] for r in everyone),
             "dist_max_staleness": max(r["max_staleness"] for r in everyone),
-            "dist_wait_s": max(r["wait_s"] for r in everyone),
+            "dist_wait_s": max(r["wan_wait_s"] for r in everyone),
             "dist_groups": self.groups,
             "dist_periods": self.periods,
-            # samples/s of each rank over its own compute (forward, backward, straggler sleep)
+            # per rank: compute (forward, backward, straggler sleep), in-site averaging, waiting on other sites
+            "dist_rank_time": [
+                {k: round(r[k], 3) for k in ("compute_s", "site_s", "wan_wait_s", "wall_s")} for r in everyone
+            ],
             "dist_rank_speeds": [
                 round(r["samples"] / r["compute_s"], 3) if r["compute_s"] else None for r in everyone
             ],
         }
 
     def close(self) -> None:
-        self.beat("finished")
-        self._beat_file.close()
+        self.beats.send({"ev": "finished"})
+        self.beats.close()
+        self.channel.close()
         self.hvd.shutdown()
 
 

@@ -1,38 +1,58 @@
 """Synchronisation strategies, each an optimizer wrapper the training loop steps like any optimizer.
 
-Notation: N ranks, partitioned into groups g of |g| ranks; w the flat parameter vector of a rank;
-one *round* is ``period_g`` local steps of group g, chosen so that every group completes a round in
-about the same wall time (period_g = per-rank speed of g / per-rank speed of the slowest group).
+Notation: N ranks, partitioned into groups g of |g| ranks (by default one group per host, i.e. per
+hospital site); G groups; w the flat parameter vector; η the learning rate. One *round* of group g
+is ``period_g`` local steps, chosen so that every group completes a round in about the same wall
+time (period_g = per-rank speed of g / per-rank speed of the slowest group). Where each collective
+runs (Horovod, a site's ``torch.distributed`` group, or the leaders' group) is tabled in
+:mod:`medseg.distributed.channel`.
 
 ``bsp``        plain Horovod: ``hvd.DistributedOptimizer`` averages gradients over all ranks every
                step (optionally Horovod's fp16 compression), or medseg's fixed-bit compressed
-               allreduce.
+               allreduce over the global process set. Float buffers (BatchNorm statistics) are
+               averaged at each epoch end.
 ``gssp``       group-staleness synchronous parallel (Jiang et al., CCGrid 2019, on SSP, Ho et al.
-               2013). Inside a group gradients are averaged synchronously every step over the
-               group's Horovod process set. Across groups, after each round r a group submits its
-               own model change since its previous submission, Δ_g(r) = w − a (a: the anchor, w
-               right after the last submission, not counting what was received), as an
-               asynchronous global allreduce (``allreduce_async_``; each rank adds Δ_g/|g|, so the
-               sum is Σ_g Δ_g) and goes on training. Completed rounds are found with ``poll`` and
-               applied in order: w ← w + λ_τ (Σ_h Δ_h − Δ_g), and a ← a + the same, where the
-               staleness τ = (rounds this group has submitted − 1) − r and λ_τ = 1/(τ+1) weights
-               stale updates down. Before a group starts round r+1 every round ≤ r − s must have
-               been applied (``synchronize`` blocks until the slowest group submitted it), so no
-               group is ever more than s rounds ahead of the slowest and τ ≤ s. With DC-ASGD
-               (Zheng et al., 2017) the received change is compensated for the delay,
-               Δ' = Δ + λ_dc Δ⊙Δ⊙(w_now − w_then), w_then being this rank's w when round r was
-               submitted. At the end of an epoch every pending round is applied and all ranks
-               average w, so every rank starts the next epoch (and validates) with one model.
-               With ``compression: fixed`` the round travels as fixed-bit codes instead: each
-               group's first rank encodes Δ_g layer by layer with an error-feedback residual (what
-               a round does not carry is added to the next) and an asynchronous ``allgather``
-               (uint8) delivers the G encodings; Δ_g is then the decoded value, the same on every
-               rank, so Σ_h Δ_h − Δ_g is exact.
-``ssp``        gssp with one rank per group.
-``local-sgd``  every rank steps alone; every ``period`` steps all ranks average w.
+               2013). Inside a group, gradients are averaged synchronously every step on the
+               group's own process group, so every member holds the same w. Across groups, at the
+               end of its round k a group submits its own model change since its previous
+               submission, Δ_g(k) = w − a (a: the anchor, w right after the last submission, not
+               counting what was received): the group's leader (its lowest rank) starts an
+               asynchronous allreduce of Δ_g(k) over the leaders' group, S(k) = Σ_h Δ_h(k), and the
+               group trains on. a ← w. Then the leader decides how many of the oldest pending
+               rounds to apply now, n = max(#completed, #forced) where round r is *forced* when
+               r ≤ k − s, and tells its group (an in-site broadcast, so the members stay
+               identical). For each applied round r the leader waits for S(r) (a forced round waits
+               until the slowest group has submitted it) and broadcasts it in its site; every member
+               then applies the other groups' change, weighted down by its staleness τ = k − r:
 
-With one group and s = 0, gssp reduces to plain Horovod: the group is the global set, nothing is
-received from other groups (Σ_h Δ_h − Δ_g = 0), and the parameters equal bsp's.
+                   u = (S(r) − Δ_g(r)) / (τ + 1);   w ← w + u;   a ← a + u.
+
+               So no group starts round k + 1 before every group has submitted round k − s: a group
+               never leads the slowest by more than s completed rounds when it starts a round, and
+               τ ≤ s. With DC-ASGD (Zheng et al., ICML 2017) the other groups' change is compensated
+               for the delay first. Their gradient g was taken at w_then (this group's w when round
+               r was submitted) and is applied at w_now; DC-ASGD uses g + λ g⊙g⊙(w_now − w_then),
+               the diagonal of the outer-product approximation of the Hessian. For a model change
+               Δ = −η g that is (:func:`dc_compensate`)
+
+                   Δ' = Δ − (λ/η) Δ⊙Δ⊙(w_now − w_then).
+
+               At the end of an epoch every pending round is applied and all ranks average w and
+               the float buffers (:func:`average_model`), so every rank starts the next epoch (and
+               validates) with one model. With ``compression: fixed`` a round travels as fixed-bit
+               codes: every member encodes Δ_g layer by layer with the same error-feedback residual
+               (what a round does not carry is added to the next; the members' inputs are identical,
+               so are their codes and residuals), the leaders ``all_gather`` the G encodings
+               asynchronously, and Δ_g is then the decoded value, the same on every rank, so
+               S(r) − Δ_g(r) is exact.
+``ssp``        gssp with one rank per group.
+``local-sgd``  every rank steps alone; every ``period`` steps all ranks average w and the buffers.
+
+With one group and s = 0, gssp reduces to synchronous data parallelism: nothing is received from
+other groups (S − Δ_g = 0) and the parameters equal bsp's (tests/mp/gssp_equals_bsp.py). With
+several groups its result is what a single process replaying the logged schedule computes
+(tests/mp/gssp_replay.py): every engine logs, in ``events``, each round it submitted and each round
+it applied, at which round boundary and with which τ.
 """
 
 from __future__ import annotations
@@ -40,12 +60,13 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import horovod.torch as hvd
 import torch
 
+from medseg.distributed.channel import Channel, HorovodTransport, TorchTransport
 from medseg.distributed.collectives import CompressedAllreduce
 from medseg.distributed.compression import ErrorFeedback, decode, encoded_nbytes
 
@@ -54,17 +75,34 @@ ring_allreduce_bytes = CompressedAllreduce.ring_allreduce_bytes
 log = logging.getLogger(__name__)
 
 
-def flat(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in params])
+def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in tensors])
 
 
-def assign(params: list[torch.nn.Parameter], vector: torch.Tensor) -> None:
+def assign(tensors: list[torch.Tensor], vector: torch.Tensor) -> None:
     offset = 0
     with torch.no_grad():
-        for p in params:
+        for p in tensors:
             n = p.numel()
             p.copy_(vector[offset : offset + n].view_as(p))
             offset += n
+
+
+def float_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Buffers that training changes and an average makes sense of (BatchNorm running statistics)."""
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
+def dc_compensate(
+    delta: torch.Tensor, w_now: torch.Tensor, w_then: torch.Tensor, lam: float, lr: float
+) -> torch.Tensor:
+    """DC-ASGD's delay compensation of a model change ``delta`` (= −lr·g) computed at ``w_then``.
+
+    g' = g + λ g⊙g⊙(w_now − w_then) with g = −Δ/η gives Δ' = Δ − (λ/η) Δ⊙Δ⊙(w_now − w_then).
+    """
+    if lam == 0.0 or lr <= 0.0:
+        return delta
+    return delta - (lam / lr) * delta * delta * (w_now - w_then)
 
 
 @dataclass
@@ -72,13 +110,19 @@ class StepStats:
     """What one rank sent and waited for; reset every epoch by the session."""
 
     steps: int = 0
-    bytes_sent: int = 0
-    wait_s: float = 0.0
+    bytes_sent: int = 0  # every byte this rank put into a collective (model of the algorithm)
+    wan_bytes: int = 0  # of those, the bytes that cross between hosts (sites)
+    site_s: float = 0.0  # time in in-group (in-site) averaging
+    wan_wait_s: float = 0.0  # time waiting for other groups (forced rounds, epoch-end average)
     staleness: list[int] = field(default_factory=list)  # τ of every round applied this epoch
     last_staleness: int | None = None
+    step_site_s: float = 0.0  # in-site averaging time of the last step
+    step_wan_s: float = 0.0  # waiting on other sites in the last step
+    inflight: bool = False  # a cross-group round was in flight when the last step began
 
     def reset(self) -> None:
-        self.steps, self.bytes_sent, self.wait_s, self.staleness, self.last_staleness = 0, 0, 0.0, [], None
+        self.steps, self.bytes_sent, self.wan_bytes = 0, 0, 0
+        self.site_s, self.wan_wait_s, self.staleness, self.last_staleness = 0.0, 0.0, [], None
 
 
 class SyncedOptimizer:
@@ -86,9 +130,12 @@ class SyncedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
         self.optimizer = optimizer
+        self.base = optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buffers = float_buffers(model)
         self.numel = sum(p.numel() for p in self.params)
         self.stats = StepStats()
+        self.events: list[tuple] = []
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -99,10 +146,17 @@ class SyncedOptimizer:
         self.optimizer.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        return self.base.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
+        self.base.load_state_dict(state)
+
+    def sync_state(self) -> dict[str, Any]:
+        """This rank's own synchronisation state (error-feedback residuals), for checkpoints."""
+        return {}
+
+    def load_sync_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`sync_state` (a resumed run continues the residuals)."""
 
     def step(self) -> None:
         self.optimizer.step()
@@ -112,67 +166,147 @@ class SyncedOptimizer:
         """Called by every rank at the end of an epoch (a collective for some strategies)."""
 
 
-class GroupAverage:
-    """Averages gradients over a process set every step: Horovod's own optimizer, or fixed-bit codes."""
+def _successor_on_other_host(rank: int, hosts: list[str]) -> bool:
+    return hosts[rank] != hosts[(rank + 1) % len(hosts)]
+
+
+class BulkSynchronous(SyncedOptimizer):
+    """``bsp``: plain Horovod, gradients averaged over all ranks every step.
+
+    Bytes: Gloo's ring allreduce sends 2(N−1)/N of the payload from each rank to its successor
+    (rank r + 1 mod N), so this rank's bytes cross the WAN when its successor is on another host.
+    """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         model: torch.nn.Module,
-        process_set: Any,
         compression: str,
         bits: int,
+        hosts: list[str],
     ) -> None:
-        self.size = process_set.size() if process_set is not None else 1
-        self.fixed = None
-        self.numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        import horovod.torch as hvd
+
+        super().__init__(optimizer, model)
+        self.hvd, self.size = hvd, hvd.size()
+        self.crosses = _successor_on_other_host(hvd.rank(), hosts)
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if self.size > 1 and compression == "fixed":
+        self.fixed = None
+        if compression == "fixed" and self.size > 1:
             # Weights of 3D convolutions are compressed; biases and norm parameters (< 1024 values)
             # travel exactly in one fused allreduce, where codes would save little.
+            ps = hvd.global_process_set
             self.fixed = CompressedAllreduce(
-                bits, process_set=process_set, min_numel=1024, name=f"grad.ps{process_set.process_set_id}"
+                bits, min_numel=1024, name="grad.bsp", transport=HorovodTransport(hvd, ps)
             )
-            self.optimizer = optimizer
         elif self.size > 1:
             comp = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
             self.elem = 2 if compression == "fp16" else 4
             self.optimizer = hvd.DistributedOptimizer(
-                optimizer,
-                named_parameters=model.named_parameters(),
-                compression=comp,
-                op=hvd.Average,
-                process_set=process_set,
+                optimizer, named_parameters=model.named_parameters(), compression=comp, op=hvd.Average
             )
-        else:
-            self.optimizer = optimizer
 
-    def step(self) -> int:
-        """Average gradients, step; return the bytes this rank sent."""
+    def step(self) -> None:
+        tic = time.perf_counter()
         if self.fixed is not None:
             grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.named}
             averaged = self.fixed(grads)
             for n, p in self.named:
                 p.grad = averaged[n]
+            self.base.step()
+            sent = self.fixed.last_bytes_sent
+        else:
             self.optimizer.step()
-            return self.fixed.last_bytes_sent
-        self.optimizer.step()
-        return ring_allreduce_bytes(self.numel, self.elem, self.size) if self.size > 1 else 0
-
-
-class BulkSynchronous(SyncedOptimizer):
-    """``bsp``: every step, gradients averaged over all ranks."""
-
-    def __init__(
-        self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, compression: str, bits: int
-    ) -> None:
-        super().__init__(optimizer, model)
-        self.average = GroupAverage(optimizer, model, hvd.global_process_set, compression, bits)
-        self.optimizer = self.average.optimizer
-
-    def step(self) -> None:
-        self.stats.bytes_sent += self.average.step()
+            sent = ring_allreduce_bytes(self.numel, self.elem, self.size) if self.size > 1 else 0
+        self.stats.step_site_s = time.perf_counter() - tic
+        self.stats.bytes_sent += int(sent)
+        if self.crosses:
+            # The compressed allgather is a ring too; the alltoall's cross-host share is not modelled.
+            self.stats.wan_bytes += int(sent)
         self.stats.steps += 1
+
+    def end_epoch(self) -> None:
+        if self.buffers and self.size > 1:
+            vector = self.hvd.allreduce(flat(self.buffers), op=self.hvd.Average, name="medseg.buffers")
+            assign(self.buffers, vector)
+
+    def sync_state(self) -> dict[str, Any]:
+        return {"fixed": self.fixed.state_dict()} if self.fixed is not None else {}
+
+    def load_sync_state(self, state: dict[str, Any]) -> None:
+        if self.fixed is not None and state.get("fixed"):
+            self.fixed.load_state_dict(state["fixed"])
+
+
+class GroupAverage:
+    """Averages gradients over this rank's group every step, on the group's own process group."""
+
+    def __init__(self, model: torch.nn.Module, channel: Channel, compression: str, bits: int) -> None:
+        self.channel = channel
+        self.size = len(channel.group)
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for _, p in self.named)
+        self.compression = compression
+        self.fixed = None
+        if self.size > 1 and compression == "fixed":
+            transport = TorchTransport(channel.group_pg)
+            self.fixed = CompressedAllreduce(bits, min_numel=1024, name="grad.group", transport=transport)
+
+    def __call__(self) -> int:
+        """Replace every gradient by the group's average; return the bytes this rank sent."""
+        if self.size == 1:
+            return 0
+        for _, p in self.named:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.fixed is not None:
+            averaged = self.fixed({n: p.grad for n, p in self.named})
+            for n, p in self.named:
+                p.grad = averaged[n]
+            return int(self.fixed.last_bytes_sent)
+        grads = [p.grad for _, p in self.named]
+        vector = flat(grads)
+        if self.compression == "fp16":
+            half = vector.half()
+            self.channel.group_pg.allreduce_(half)
+            vector = half.float() / self.size
+        else:
+            self.channel.group_mean_(vector)
+        assign(grads, vector)
+        elem = 2 if self.compression == "fp16" else 4
+        return int(ring_allreduce_bytes(self.numel, elem, self.size))
+
+
+def average_model(channel: Channel, tensors: list[torch.Tensor], stats: StepStats) -> None:
+    """Every rank replaces ``tensors`` by their average over all ranks, one WAN copy per group.
+
+    Members average in their group; the leaders allreduce |g|·(group mean) and divide by N (the
+    same rank-weighted mean as a global allreduce); each leader broadcasts the result in its group.
+    """
+    if not tensors:
+        return
+    tic = time.perf_counter()
+    vector = flat(tensors)
+    channel.group_mean_(vector)
+    if len(channel.groups) > 1 and channel.leaders_pg is not None:
+        vector *= len(channel.group)
+        channel.leaders_pg.allreduce_(vector)
+        vector /= channel.size
+        sent = int(ring_allreduce_bytes(vector.numel(), 4, len(channel.groups)))
+        stats.bytes_sent += sent
+        stats.wan_bytes += sent
+    channel.group_broadcast(vector)
+    assign(tensors, vector)
+    stats.wan_wait_s += time.perf_counter() - tic
+
+
+@dataclass
+class _Round:
+    r: int
+    work: Any  # the leaders' async work handle (None on non-leaders)
+    buf: Any  # what the work fills: the sum (none) or the list of gathered codes (fixed)
+    own: torch.Tensor  # Δ_g(r) as the other groups will see it
+    w_then: torch.Tensor | None
 
 
 class GroupStale(SyncedOptimizer):
@@ -182,125 +316,191 @@ class GroupStale(SyncedOptimizer):
         self,
         optimizer: torch.optim.Optimizer,
         model: torch.nn.Module,
-        groups: list[list[int]],
-        group_set: Any,
+        channel: Channel,
         period: int,
         staleness: int,
         dc_lambda: float,
         compression: str,
         bits: int,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
         exchange: bool | None = None,
     ) -> None:
         super().__init__(optimizer, model)
-        self.groups = groups
-        group = next(g for g in groups if hvd.rank() in g)
-        self.average = GroupAverage(optimizer, model, group_set, compression, bits)
-        self.optimizer = self.average.optimizer
-        self.group_size, self.period, self.bound, self.dc_lambda = len(group), period, staleness, dc_lambda
-        self.leader = hvd.rank() == min(group)
+        self.channel = channel
+        self.average = GroupAverage(model, channel, compression, bits)
+        self.group_size, self.period, self.bound, self.dc_lambda = (
+            len(channel.group),
+            period,
+            staleness,
+            dc_lambda,
+        )
+        self.leader = channel.is_leader
+        self.n_groups = len(channel.groups)
         # With one group there is nobody to exchange with; ``exchange=True`` runs the machinery anyway (tests).
-        self.single_group = not (len(groups) > 1 if exchange is None else exchange)
+        self.single_group = not (self.n_groups > 1 if exchange is None else exchange)
+        self.on_event = on_event or (lambda record: None)
         self.local_steps = 0
         self.rounds = 0  # rounds submitted by this group
         self.anchor = flat(self.params).clone()
-        self.pending: collections.deque = collections.deque()
+        self.pending: collections.deque[_Round] = collections.deque()
         self.coded = ErrorFeedback(bits) if compression == "fixed" else None
         self.bits = bits
         self.layer_sizes = [p.numel() for p in self.params]
+        self.block = sum(encoded_nbytes(n, bits) for n in self.layer_sizes)
 
+    # -- per step -------------------------------------------------------------------------------
     def step(self) -> None:
-        self.stats.bytes_sent += self.average.step()
+        self.stats.inflight = self.leader and any(not e.work.is_completed() for e in self.pending)
+        tic = time.perf_counter()
+        self.stats.bytes_sent += self.average()
+        self.stats.step_site_s = time.perf_counter() - tic
+        self.stats.site_s += self.stats.step_site_s
+        self.stats.step_wan_s = 0.0
+        self.optimizer.step()
         self.stats.steps += 1
         self.local_steps += 1
         if self.single_group or self.local_steps % self.period:
             return
         self._submit()
-        while self.pending and hvd.poll(self.pending[0][1]):
-            self._apply(self.pending.popleft())
-        # The bound: round r may be applied no later than when round r + s is submitted.
-        while self.pending and self.pending[0][0] <= self.rounds - 1 - self.bound:
-            tic = time.perf_counter()
-            self._apply(self.pending.popleft())  # blocks in synchronize until the slowest group submitted
-            self.stats.wait_s += time.perf_counter() - tic
+        self._apply_due(final=False)
 
     def _submit(self) -> None:
         w = flat(self.params)
         own = w - self.anchor
-        name = f"gssp.round{self.rounds}"
+        k = self.rounds
+        work, buf = None, None
+        if self.leader:
+            self.on_event({"ev": "submit", "round": k, "t": time.time()})  # before the op can complete
         if self.coded is None:
-            buf = own / self.group_size
-            handle = hvd.allreduce_async_(buf, op=hvd.Sum, name=name)
-            self.stats.bytes_sent += ring_allreduce_bytes(self.numel, 4, hvd.size())
+            if self.leader:
+                buf = own.clone()
+                work = self.channel.leaders_pg.allreduce_(buf, async_op=True)
+                self._count_leaders(ring_allreduce_bytes(self.numel, 4, self.n_groups))
         else:
             codes, own = self.coded.compress_chunks("delta", own, self.layer_sizes)
-            buf = torch.cat(codes) if self.leader else torch.empty(0, dtype=torch.uint8)
-            handle = hvd.allgather_async(buf, name=name)
-            self.stats.bytes_sent += self._allgather_bytes()
-        self.pending.append((self.rounds, handle, buf, own, w.clone() if self.dc_lambda else None))
+            if self.leader:
+                mine = torch.cat(codes)
+                buf = [torch.empty_like(mine) for _ in range(self.n_groups)]
+                work = self.channel.leaders_pg.allgather(buf, mine, async_op=True)
+                self._count_leaders((self.n_groups - 1) * self.block)  # ring allgather
+        self.pending.append(_Round(k, work, buf, own, w.clone() if self.dc_lambda else None))
+        self.events.append(("submit", k, self.stats.steps))
         self.anchor = w.clone()
         self.rounds += 1
 
-    def _allgather_bytes(self) -> int:
-        """Ring allgather: a rank forwards every block but its successor's; only leaders' blocks are non-empty."""
-        n, me = hvd.size(), hvd.rank()
-        block = encoded_nbytes_total(self.layer_sizes, self.bits)
-        return sum(block for leader in (min(g) for g in self.groups) if leader != (me + 1) % n)
+    def _count_leaders(self, nbytes: float) -> None:
+        self.stats.bytes_sent += int(nbytes)
+        self.stats.wan_bytes += int(nbytes)
 
-    def _received(self, handle: Any, buf: torch.Tensor) -> torch.Tensor:
-        """The sum over groups of what they submitted in a round."""
+    def _apply_due(self, final: bool) -> None:
+        """Apply the rounds the leader finds complete, and every forced one (all of them if ``final``)."""
+        k = self.rounds - 1
+        forced = len(self.pending) if final else sum(1 for e in self.pending if e.r <= k - self.bound)
+        n = forced
+        if self.leader and not final:
+            ready = 0
+            for e in self.pending:
+                if not e.work.is_completed():
+                    break
+                ready += 1
+            n = max(ready, forced)
+        if self.group_size > 1 and not final:
+            box = torch.tensor([n], dtype=torch.int64)
+            self.channel.group_broadcast(box)
+            n = int(box.item())
+        tic = time.perf_counter()
+        for _ in range(n):
+            self._apply(self.pending.popleft(), k)
+        waited = time.perf_counter() - tic
+        self.stats.step_wan_s += waited
+        self.stats.wan_wait_s += waited
+        if self.leader:
+            self.on_event(
+                {"ev": "start", "round": self.rounds, "t": time.time(), "pending": len(self.pending)}
+            )
+
+    def _received(self, e: _Round) -> torch.Tensor:
+        """S(r) = Σ_h Δ_h(r): the leader waits for it, then its group receives it in-site."""
         if self.coded is None:
-            hvd.synchronize(handle)  # the sum lands in ``buf`` (in-place allreduce)
-            return buf
-        gathered = hvd.synchronize(handle)
-        block = encoded_nbytes_total(self.layer_sizes, self.bits)
+            total = e.buf if self.leader else torch.empty(self.numel)
+            if self.leader:
+                e.work.wait()
+            self.channel.group_broadcast(total)
+            return total
+        gathered = (
+            torch.cat(e.buf) if self.leader else torch.empty(self.n_groups * self.block, dtype=torch.uint8)
+        )
+        if self.leader:
+            e.work.wait()
+            gathered = torch.cat(e.buf)
+        self.channel.group_broadcast(gathered)
         total = torch.zeros(self.numel)
-        for start in range(0, gathered.numel(), block):
-            total += decode_layers(gathered[start : start + block], self.layer_sizes, self.bits)
+        for start in range(0, gathered.numel(), self.block):
+            total += decode_layers(gathered[start : start + self.block], self.layer_sizes, self.bits)
         return total
 
-    def _apply(self, entry: tuple) -> None:
-        r, handle, buf, own, w_then = entry
-        others = self._received(handle, buf) - own
-        tau = self.rounds - 1 - r
-        if self.dc_lambda and w_then is not None:
-            others = others + self.dc_lambda * others * others * (flat(self.params) - w_then)
+    def _apply(self, e: _Round, boundary: int) -> None:
+        others = self._received(e) - e.own
+        tau = self.rounds - 1 - e.r
+        if self.dc_lambda and e.w_then is not None:
+            lr = float(self.base.param_groups[0]["lr"])
+            others = dc_compensate(others, flat(self.params), e.w_then, self.dc_lambda, lr)
         update = others / (tau + 1)
         assign(self.params, flat(self.params) + update)
         self.anchor += update
         self.stats.staleness.append(tau)
         self.stats.last_staleness = tau
+        self.events.append(("apply", boundary, e.r, tau))
 
     def end_epoch(self) -> None:
-        tic = time.perf_counter()
         self.local_steps = 0  # an epoch holds whole rounds; the period may change for the next one
-        while self.pending:
-            self._apply(self.pending.popleft())
-        if not self.single_group:
-            average_parameters(self.params)
-            self.anchor = flat(self.params).clone()
-        self.stats.wait_s += time.perf_counter() - tic
+        if self.single_group:
+            if self.group_size > 1:
+                average_model(self.channel, self.buffers, self.stats)
+            return
+        self._apply_due(final=True)
+        average_model(self.channel, self.params + self.buffers, self.stats)
+        self.events.append(("average", self.rounds - 1))
+        self.anchor = flat(self.params).clone()
+
+    def sync_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"rounds": self.rounds}
+        if self.coded is not None:
+            state["delta"] = self.coded.state_dict()
+        if self.average.fixed is not None:
+            state["grad"] = self.average.fixed.state_dict()
+        return state
+
+    def load_sync_state(self, state: dict[str, Any]) -> None:
+        self.rounds = int(state.get("rounds", 0))
+        if self.coded is not None and state.get("delta"):
+            self.coded.load_state_dict(state["delta"])
+        if self.average.fixed is not None and state.get("grad"):
+            self.average.fixed.load_state_dict(state["grad"])
+        self.anchor = flat(self.params).clone()
 
 
 class LocalSGD(SyncedOptimizer):
-    """``local-sgd``: independent steps, all ranks average their parameters every ``period`` steps."""
+    """``local-sgd``: independent steps; every ``period`` steps all ranks average w and the buffers."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, period: int) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, channel: Channel, period: int
+    ) -> None:
         super().__init__(optimizer, model)
-        self.period = period
+        self.channel, self.period = channel, period
 
     def step(self) -> None:
         self.optimizer.step()
         self.stats.steps += 1
         if self.stats.steps % self.period == 0:
-            average_parameters(self.params)
-            self.stats.bytes_sent += ring_allreduce_bytes(self.numel, 4, hvd.size())
+            before = self.stats.wan_wait_s
+            average_model(self.channel, self.params + self.buffers, self.stats)
+            self.stats.step_wan_s = self.stats.wan_wait_s - before
+        else:
+            self.stats.step_wan_s = 0.0
 
     def end_epoch(self) -> None:
-        average_parameters(self.params)
-
-
-def encoded_nbytes_total(sizes: list[int], bits: int) -> int:
-    return sum(encoded_nbytes(n, bits) for n in sizes)
+        average_model(self.channel, self.params + self.buffers, self.stats)
 
 
 def decode_layers(buf: torch.Tensor, sizes: list[int], bits: int) -> torch.Tensor:
@@ -311,10 +511,3 @@ def decode_layers(buf: torch.Tensor, sizes: list[int], bits: int) -> torch.Tenso
         out.append(decode(buf[offset : offset + size], bits, n))
         offset += size
     return torch.cat(out)
-
-
-def average_parameters(params: list[torch.nn.Parameter]) -> None:
-    """All ranks replace their parameters by the global average (one fused allreduce)."""
-    vector = flat(params)
-    hvd.allreduce_(vector, op=hvd.Average, name="medseg.param_average")
-    assign(params, vector)

@@ -80,7 +80,10 @@ class DistConfig:
     """How workers synchronise (see medseg.distributed); used when training runs on several ranks."""
 
     sync: Literal["none", "bsp", "gssp", "ssp", "local-sgd"] = "none"
-    groups: list[list[int]] = field(default_factory=list)  # explicit groups of ranks; [] = by measured speed
+    groups: list[list[int]] = field(default_factory=list)  # explicit groups of ranks; [] = by group_by
+    group_by: Literal["host", "speed"] = (
+        "host"  # gssp without groups: one group per host (site), or k-means on speed
+    )
     num_groups: int = 0  # with automatic groups: 0 = chosen by Calinski-Harabasz
     staleness: int = 2  # gssp/ssp: rounds a group may run ahead of the slowest
     dc_lambda: float = 0.0  # gssp/ssp: DC-ASGD delay compensation strength (0 = off)

@@ -17,6 +17,7 @@ import torch
 from monai import transforms as mt
 from monai.data import CacheDataset, DataLoader, Dataset, PersistentDataset
 from monai.data.utils import json_hashing
+from torch.utils.data import RandomSampler
 
 from medseg import transforms as tf
 from medseg.config import Config
@@ -106,12 +107,8 @@ def _check_pairs(items: list[dict], root: Path) -> None:
             )
 
 
-def make_train_data(cfg: Config) -> TrainData:
-    """Read the dataset named by ``cfg.data.dir``, split it, and build cached datasets and loaders.
-
-    The training loader shuffles everything; in a multi-rank job :func:`share_loader` then gives
-    this rank its share of every epoch instead.
-    """
+def read_dataset(cfg: Config) -> tuple[DatasetInfo, list[dict], list[dict]]:
+    """Read the dataset named by ``cfg.data.dir`` (headers only) and split it: info, train, validation."""
     info = load_dataset(cfg.data.dir)
     if info.task != cfg.task:
         raise ConfigError(f"task: config says {cfg.task!r} but {info.json_path} holds a {info.task} dataset")
@@ -120,37 +117,59 @@ def make_train_data(cfg: Config) -> TrainData:
     if cfg.task == "segmentation":
         _check_pairs(info.training, info.root)
     train_items, val_items = split_train_val(info.training, cfg.data.val_fraction, cfg.train.seed)
+    return info, train_items, val_items
+
+
+def make_train_data(
+    cfg: Config,
+    session: LocalSession | None = None,
+    split: tuple[DatasetInfo, list[dict], list[dict]] | None = None,
+) -> TrainData:
+    """Build cached datasets and loaders over this rank's own cases (all of them in one process).
+
+    In a multi-rank job each rank caches only the cases :meth:`own_cases` gives it, and trains on a
+    fresh draw of ``per_epoch`` of them every epoch; validation cases are loaded by the chief alone.
+    """
+    session = session or LocalSession()
+    info, train_items, val_items = split or read_dataset(cfg)
+    own, per_epoch = session.own_cases(len(train_items), cfg.train.batch_size, cfg.train.seed)
+    mine = [train_items[i] for i in own]
+    val_items = val_items if session.is_chief else []
     if cfg.task == "segmentation":
         train_chain, val_chain = tf.seg_train(cfg), tf.seg_val(cfg)
     else:
         train_chain, val_chain = tf.cls_train(cfg), tf.cls_val(cfg)
-    log.info("%s: %d training and %d validation cases", info.name, len(train_items), len(val_items))
-    train_ds = _build(cfg, train_items, train_chain, "train", info.root)
+    log.info(
+        "%s: %d training cases (%d of them this rank's), %d validation cases",
+        info.name,
+        len(train_items),
+        len(mine),
+        len(val_items),
+    )
+    train_ds = _build(cfg, mine, train_chain, "train", info.root)
     val_ds = _build(cfg, val_items, val_chain, "val", info.root) if val_items else None
-    train_loader = DataLoader(
-        train_ds,
-        batch_size=cfg.train.batch_size,
-        shuffle=True,
-        num_workers=cfg.data.num_workers,
-        generator=torch.Generator(),
-    )
-    val_loader = (
-        DataLoader(val_ds, batch_size=1, num_workers=cfg.data.num_workers) if val_ds is not None else None
-    )
-    return TrainData(info, train_items, val_items, train_chain, train_loader, val_loader)
-
-
-def share_loader(data: TrainData, cfg: Config, session: LocalSession) -> None:
-    """Replace the training loader by one over this rank's share of each epoch (multi-rank jobs)."""
-    sampler = session.sampler(len(data.train_items), cfg.train.batch_size, cfg.train.seed)
-    if sampler is not None:
-        data.train_loader = DataLoader(
-            data.train_loader.dataset,
+    gen = torch.Generator()
+    if per_epoch is None:
+        train_loader = DataLoader(
+            train_ds,
+            batch_size=cfg.train.batch_size,
+            shuffle=True,
+            num_workers=cfg.data.num_workers,
+            generator=gen,
+        )
+    else:
+        sampler = RandomSampler(train_ds, num_samples=per_epoch, generator=gen)
+        train_loader = DataLoader(
+            train_ds,
             batch_size=cfg.train.batch_size,
             sampler=sampler,
             num_workers=cfg.data.num_workers,
-            generator=torch.Generator(),
+            generator=gen,
         )
+    val_loader = (
+        DataLoader(val_ds, batch_size=1, num_workers=cfg.data.num_workers) if val_ds is not None else None
+    )
+    return TrainData(info, mine, val_items, train_chain, train_loader, val_loader)
 
 
 def seed_epoch(data: TrainData, seed: int, epoch: int, rank: int = 0) -> None:
@@ -158,6 +177,4 @@ def seed_epoch(data: TrainData, seed: int, epoch: int, rank: int = 0) -> None:
     draws = epoch_seed(seed, epoch, rank)
     torch.manual_seed(draws)
     data.train_loader.generator.manual_seed(draws)
-    if hasattr(data.train_loader.sampler, "set_epoch"):
-        data.train_loader.sampler.set_epoch(epoch)
     data.train_chain.set_random_state(seed=draws)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from medseg.bundle import export_bundle
 from medseg.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from medseg.config import Config, config_from_dict, diff_configs, save_config
-from medseg.data import make_train_data, seed_epoch, share_loader
+from medseg.data import make_train_data, read_dataset, seed_epoch
 from medseg.distributed import LocalSession, open_session
 from medseg.errors import ConfigError, RunError
 from medseg.models import build_network, network_def
@@ -73,6 +73,19 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
     return x.as_tensor() if hasattr(x, "as_tensor") else x
 
 
+def _probe_batch(cfg: Config, num_classes: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A random batch shaped like a training batch, for timing a rank's forward and backward pass."""
+    b, patch = cfg.train.batch_size * max(cfg.transforms.num_samples, 1), list(cfg.transforms.patch)
+    g = torch.Generator().manual_seed(0)
+    image = torch.rand([b, 1, *patch], generator=g)
+    if cfg.task == "segmentation":
+        target = torch.randint(0, num_classes, [b, 1, *patch], generator=g)
+    else:
+        b = cfg.train.batch_size
+        image, target = image[:b], torch.randint(0, num_classes, [b], generator=g)
+    return {"image": image.to(device), "target": target.to(device)}
+
+
 def _check_resume(cfg: Config, state: dict[str, Any], last: Path) -> None:
     saved = config_from_dict(state["config"])
     changed = sorted(set(diff_configs(saved, cfg)) - RESUMABLE_CHANGES)
@@ -103,23 +116,27 @@ def train(
     """
     run_dir, ckpt_dir = cfg.run_dir, cfg.run_dir / "checkpoints"
     last_path, best_path, metrics_path = ckpt_dir / "last.pt", ckpt_dir / "best.pt", run_dir / "metrics.jsonl"
-    state: dict[str, Any] | None = None
-    if resume:
-        if not last_path.is_file():
-            raise RunError(
-                f"{run_dir}: nothing to resume (no checkpoints/last.pt); train without --resume first"
-            )
-        state = load_checkpoint(last_path)
-        _check_resume(cfg, state, last_path)
-    elif last_path.exists():
-        raise RunError(
-            f"{run_dir}: already holds a run; pass --resume to continue it, or name=<new name> to start another"
-        )
-
-    run_dir.mkdir(parents=True, exist_ok=True)
     session = open_session(cfg, straggler)
-    handler = _attach_log_file(run_dir) if session.is_chief else None
+    handler = None
     try:
+        # Rank 0 alone reads and writes the run folder; the other ranks (possibly in other
+        # hospitals, without that folder) receive its resume state over the channel.
+        state: dict[str, Any] | None = None
+        if session.is_chief:
+            if resume:
+                if not last_path.is_file():
+                    raise RunError(
+                        f"{run_dir}: nothing to resume (no checkpoints/last.pt); train without --resume first"
+                    )
+                state = load_checkpoint(last_path)
+                _check_resume(cfg, state, last_path)
+            elif last_path.exists():
+                raise RunError(
+                    f"{run_dir}: already holds a run; pass --resume to continue it, or name=<new name> to start another"
+                )
+            run_dir.mkdir(parents=True, exist_ok=True)
+            handler = _attach_log_file(run_dir)
+        state = session.share_state(state)
         return _train(
             cfg, session, state, progress, until_epoch or cfg.train.epochs, last_path, best_path, metrics_path
         )
@@ -146,8 +163,9 @@ def _train(
     device = pick_device(t.device)
     use_amp = t.amp and device.type == "cuda"
     torch.manual_seed(t.seed)  # weight initialisation; each epoch reseeds its own draws
-    data = make_train_data(cfg)
-    labels = data.info.labels
+    session.phase("load")
+    split = read_dataset(cfg)
+    labels = split[0].labels
     task = make_task(cfg, labels)
     model = build_network(network_def(cfg, out_channels=len(labels))).to(device)
     if t.memory == "fused":
@@ -157,18 +175,21 @@ def _train(
         report = optimize_memory(model)
         log.info("train.memory=fused (%s): %s", backend_name(), report.format())
     base_optimizer = _optimizer(cfg, model)
+    # Speed is measured on a batch made before timing starts (the shapes of a training batch; the
+    # values do not change the cost), so neither loading nor caching is ever timed.
+    probe = _probe_batch(cfg, len(labels), device)
 
     def profile_step() -> int:
         """One forward and backward pass (no update), for measuring this rank's speed."""
-        batch = next(iter(data.train_loader))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-            loss = task.loss(model(_plain(batch["image"].to(device))), _plain(task.targets(batch, device)))
+            loss = task.loss(model(probe["image"]), probe["target"])
         loss.backward()
         model.zero_grad(set_to_none=True)
-        return int(batch["image"].shape[0])
+        return int(probe["image"].shape[0])
 
     session.prepare(profile_step)
-    share_loader(data, cfg, session)  # a rank's share of each epoch depends on the groups just formed
+    session.phase("load")
+    data = make_train_data(cfg, session, split)  # this rank's own cases, cached once
     scheduler = (
         torch.optim.lr_scheduler.CosineAnnealingLR(base_optimizer, T_max=t.epochs)
         if t.scheduler == "cosine"
@@ -198,6 +219,8 @@ def _train(
     else:
         records = []
     optimizer = session.wrap_optimizer(base_optimizer, model)
+    if state is not None:
+        session.load_sync_state(optimizer, state.get("dist"))
     if session.is_chief:
         save_config(cfg, cfg.run_dir / "config.yaml")
 
@@ -233,12 +256,14 @@ def _train(
             "epoch_s": round(time.perf_counter() - tic, 3),
         }
         record.update(session.end_epoch(optimizer))
+        sync_state = session.gather_sync_state(optimizer)  # every rank's residuals, for the checkpoint
         if not session.is_chief:
-            continue  # rank 0 alone validates and writes; the others go on to the next epoch
+            continue  # rank 0 alone validates and writes; the others wait for it at the next epoch
         if data.val_loader is not None and (epoch % t.val_interval == 0 or epoch == t.epochs):
+            session.phase("validate")
             model.eval()
             record.update(task.validate(model, data.val_loader, device))
-            session.beat("validated")
+        session.phase("save")
         metric = record.get(task.key_metric)
         is_best = metric is not None and metric > best
         if is_best:
@@ -254,6 +279,8 @@ def _train(
             "config": cfg.to_dict(),
             "labels": {str(k): v for k, v in labels.items()},
         }
+        if sync_state is not None:
+            payload["dist"] = sync_state
         save_checkpoint(payload, last_path)
         if is_best or data.val_loader is None:
             save_checkpoint(payload, best_path)

@@ -108,6 +108,15 @@ def _wait_for(path: Path, timeout: float) -> None:
         time.sleep(0.5)
 
 
+def _rank_pid(run: Path, rank: int) -> int:
+    """The pid a rank reported to the launcher in its first heartbeat record."""
+    for line in (run / "ranks" / f"rank-{rank}.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("ev") == "started":
+            return int(rec["pid"])
+    raise AssertionError(f"rank {rank} never reported its pid")
+
+
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_dead_or_hung_rank_stops_the_job_naming_it(dist_data: Path, tmp_path: Path, fault: str) -> None:
     config = write_config(tmp_path, dist_data, "faulty", {"sync": "bsp", "timeout_s": 20}, epochs=30)
@@ -123,7 +132,7 @@ def test_dead_or_hung_rank_stops_the_job_naming_it(dist_data: Path, tmp_path: Pa
     run = tmp_path / "runs" / "faulty"
     try:
         _wait_for(run / "checkpoints" / "last.pt", 240)
-        pid = int((run / "ranks" / "rank-1.pid").read_text())
+        pid = _rank_pid(run, 1)
         tic = time.time()
         os.kill(pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
         out, err = job.communicate(timeout=180)
@@ -138,3 +147,12 @@ def test_dead_or_hung_rank_stops_the_job_naming_it(dist_data: Path, tmp_path: Pa
     proc = medseg("train", "--config", str(config), "--np", "2", "--resume", "train.epochs=" + str(epoch + 1))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert read_metrics(run / "metrics.jsonl")[-1]["epoch"] == epoch + 1
+
+
+def test_gssp_and_local_sgd_equal_their_single_process_replays() -> None:
+    """Two groups, s = 1, real staleness: the engines land on what a one-process replay of their logs computes."""
+    proc = horovodrun(2, "tests/mp/gssp_replay.py")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "FAIL " not in out, out[-4000:]
+    assert out.count("PASS ") == 10, out[-4000:]

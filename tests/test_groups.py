@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from medseg.distributed.groups import (
-    ShareSampler,
     calinski_harabasz,
     choose_groups,
     group_shares,
@@ -18,6 +17,7 @@ from medseg.distributed.groups import (
     parse_groups,
     profile_throughput,
     rank_share_indices,
+    static_share,
     steps_per_epoch,
 )
 from medseg.distributed.straggler import Straggler, parse_straggler
@@ -223,19 +223,17 @@ def test_steps_per_epoch_equalises_wall_time() -> None:
         steps_per_epoch(1000, groups, shares, batch_size=0)
 
 
-def test_share_sampler() -> None:
-    sampler = ShareSampler(101, GROUPS, SHARES, rank=1, seed=3)
-    first = list(sampler)
-    assert len(first) == len(sampler) == len(rank_share_indices(101, GROUPS, SHARES, 1, 0, 3))
-    assert list(sampler) == first
-    sampler.set_epoch(4)
-    assert list(sampler) == rank_share_indices(101, GROUPS, SHARES, 1, 4, 3)
-    assert list(sampler) != first
-    assert len(sampler) == len(first)
-    everyone = [i for r in range(5) for i in ShareSampler(101, GROUPS, SHARES, rank=r, seed=3)]
-    assert sorted(everyone) == list(range(101))
-    with pytest.raises(ConfigError):
-        ShareSampler(101, GROUPS, SHARES, rank=5)
+def test_static_share_partitions_by_speed_and_fills_whole_rounds() -> None:
+    groups, periods = [[0, 1], [2]], [3, 1]  # group 0 three times as fast per rank as group 1
+    parts = [static_share(70, groups, periods, batch_size=2, rank=r, seed=4) for r in range(3)]
+    owned = [i for idx, _ in parts for i in idx]
+    assert sorted(owned) == list(range(70))  # every case owned by exactly one rank
+    assert [len(idx) for idx, _ in parts] == [30, 30, 10]  # shares 3:3:1
+    # R = min(30 // 6, 30 // 6, 10 // 2) = 5 rounds: 5 * 3 * 2 per fast rank, 5 * 1 * 2 for the slow one
+    assert [take for _, take in parts] == [30, 30, 10]
+    assert static_share(70, groups, periods, 2, 0, 4) == parts[0]  # same answer on every call
+    with pytest.raises(ConfigError, match="cannot give every rank"):
+        static_share(5, groups, periods, batch_size=2, rank=0, seed=0)
 
 
 def test_profile_throughput() -> None:
