@@ -177,9 +177,7 @@ class Channel:
         )
         leaders = [g[0] for g in self.groups]
         self.leaders_pg = (
-            Group(self.store, "leaders/", leaders, self.rank, self.timeout)
-            if self.is_leader
-            else None
+            Group(self.store, "leaders/", leaders, self.rank, self.timeout) if self.is_leader else None
         )
 
     @property

@@ -117,7 +117,7 @@ class HorovodSession(LocalSession):
         d = self.dist
         self.phase("profile")
         if d.sync in ("gssp", "ssp", "local-sgd"):
-            if d.sync != "local-sgd":
+            if d.sync != "local-sgd" and not d.periods:
                 # All ranks are timed at once, after a barrier, under the same load as training
                 # itself; the median of several steps resists one-off stalls.
                 self.channel.barrier()
@@ -133,7 +133,13 @@ class HorovodSession(LocalSession):
                 groups = choose_groups(self.speeds, k=d.num_groups or None)
             # Every rank must agree on the groups: rank 0's decision is the one used.
             self.groups = self.channel.broadcast_object(groups)
-            if self.speeds:
+            if d.periods:
+                if len(d.periods) != len(self.groups) or min(d.periods) < 1:
+                    raise ConfigError(
+                        f"dist.periods: {d.periods} must give steps >= 1 for each of the {len(self.groups)} groups {self.groups}"
+                    )
+                self.periods = list(d.periods)
+            elif self.speeds:
                 self.periods = self._periods(self.speeds)
             else:
                 self.periods = [1] * len(self.groups)

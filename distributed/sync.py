@@ -190,6 +190,9 @@ class BulkSynchronous(SyncedOptimizer):
         super().__init__(optimizer, model)
         self.hvd, self.size = hvd, hvd.size()
         self.crosses = _successor_on_other_host(hvd.rank(), hosts)
+        # the alltoall sends one block to each other rank; near-equal blocks, so this share crosses
+        others = [r for r in range(self.size) if r != hvd.rank()]
+        self.alltoall_wan_share = sum(hosts[r] != hosts[hvd.rank()] for r in others) / max(len(others), 1)
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.fixed = None
         if compression == "fixed" and self.size > 1:
@@ -215,14 +218,18 @@ class BulkSynchronous(SyncedOptimizer):
                 p.grad = averaged[n]
             self.base.step()
             sent = self.fixed.last_bytes_sent
+            parts = self.fixed.last_bytes
+            # ring allgather and ring allreduce cross when the successor is elsewhere; the alltoall in part
+            wan = parts["alltoall"] * self.alltoall_wan_share + (
+                parts["allgather"] + parts["allreduce"] if self.crosses else 0.0
+            )
         else:
             self.optimizer.step()
             sent = ring_allreduce_bytes(self.numel, self.elem, self.size) if self.size > 1 else 0
+            wan = sent if self.crosses else 0.0
         self.stats.step_site_s = time.perf_counter() - tic
         self.stats.bytes_sent += int(sent)
-        if self.crosses:
-            # The compressed allgather is a ring too; the alltoall's cross-host share is not modelled.
-            self.stats.wan_bytes += int(sent)
+        self.stats.wan_bytes += int(wan)
         self.stats.steps += 1
 
     def end_epoch(self) -> None:
@@ -464,7 +471,8 @@ class GroupStale(SyncedOptimizer):
         self.anchor = flat(self.params).clone()
 
     def sync_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"rounds": self.rounds}
+        # Groups step their own optimizers: each rank's moments differ from rank 0's, so they travel too.
+        state: dict[str, Any] = {"rounds": self.rounds, "optimizer": self.base.state_dict()}
         if self.coded is not None:
             state["delta"] = self.coded.state_dict()
         if self.average.fixed is not None:
@@ -473,6 +481,8 @@ class GroupStale(SyncedOptimizer):
 
     def load_sync_state(self, state: dict[str, Any]) -> None:
         self.rounds = int(state.get("rounds", 0))
+        if state.get("optimizer"):
+            self.base.load_state_dict(state["optimizer"])
         if self.coded is not None and state.get("delta"):
             self.coded.load_state_dict(state["delta"])
         if self.average.fixed is not None and state.get("grad"):
@@ -501,6 +511,13 @@ class LocalSGD(SyncedOptimizer):
 
     def end_epoch(self) -> None:
         average_model(self.channel, self.params + self.buffers, self.stats)
+
+    def sync_state(self) -> dict[str, Any]:
+        return {"optimizer": self.base.state_dict()}  # every rank steps its own optimizer
+
+    def load_sync_state(self, state: dict[str, Any]) -> None:
+        if state.get("optimizer"):
+            self.base.load_state_dict(state["optimizer"])
 
 
 def decode_layers(buf: torch.Tensor, sizes: list[int], bits: int) -> torch.Tensor:

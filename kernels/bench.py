@@ -32,7 +32,7 @@ def _run_variant(
     cmd = [sys.executable, "-m", "medseg.kernels.measure", "--net", net, "--variant", variant]
     cmd += ["--patch", str(patch), "--batch", str(batch), "--steps", str(steps), "--device", device]
     cmd += ["--width", str(width)]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # see DESIGN.md: honest CPU peaks
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # see docs/design.md: honest CPU peaks
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -205,7 +205,7 @@ def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None) 
         f"Patch {result['patch']}³, channel width {result['width']}x medseg's defaults, batch {result['batch']}, "
         f"DiceCE loss, AdamW, on {result['device']}; each variant in its own process; step time is the median "
         f"of {result['steps']} steps after warm-up. Peak is what one training step needs above the memory in "
-        f"use before it (DESIGN.md's CPU recipe: VmHWM with MALLOC_MMAP_THRESHOLD_=65536). Ratios are against "
+        f"use before it (docs/design.md's CPU recipe: VmHWM with MALLOC_MMAP_THRESHOLD_=65536). Ratios are against "
         f"baseline in the same run. Largest patch: the largest multiple of 16 predicted to fit within "
         f"{result['budget_gb']} GiB from the measured peak per voxel."
     )

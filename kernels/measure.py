@@ -2,7 +2,7 @@
 
 Run as ``python -m medseg.kernels.measure --net unet --variant fused --patch 64`` it measures one
 variant in this process and prints one JSON line; ``medseg bench memory`` starts one such process
-per variant, because peak memory is only honest in a fresh process (DESIGN.md):
+per variant, because peak memory is only honest in a fresh process (docs/design.md):
 
 * CPU peak: with ``MALLOC_MMAP_THRESHOLD_=65536`` set before the process starts (every large
   buffer is its own mapping, returned to the OS when freed), ``gc.collect()``, ``malloc_trim(0)``,

@@ -129,6 +129,17 @@ def _bench_comm(args: argparse.Namespace) -> None:
     print(f"wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
 
 
+def _bench_sites(args: argparse.Namespace) -> None:
+    from medseg.distributed.bench_sites import bench_sites, check_targets, format_table, write_report
+
+    result = bench_sites(args.workdir, quick=args.quick, seeds=args.seeds, epochs=args.epochs)
+    write_report(result, args.json, args.markdown)
+    print(format_table(result))
+    for name, ok in check_targets(result):
+        print(f"{'met   ' if ok else 'MISSED'} {name}")
+    print(f"wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
+
+
 def _bench_memory(args: argparse.Namespace) -> None:
     import torch
 
@@ -216,6 +227,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--workdir", type=Path, default=Path("runs/bench-comm"), help="data and runs of the benchmark"
     )
     s.set_defaults(func=_bench_comm)
+    s = bench.add_parser(
+        "sites", help="sync modes between emulated hospitals (network namespaces, shaped WAN), root only"
+    )
+    s.add_argument("--quick", action="store_true", help="20 Mbit/s and no-WAN scenarios, 4 configs, 1 seed")
+    s.add_argument("--json", type=Path, required=True, help="write the results here")
+    s.add_argument("--markdown", type=Path, help="update this markdown file's sites section")
+    s.add_argument("--seeds", type=int, help="seeds per config (default 3, --quick 1)")
+    s.add_argument("--epochs", type=int, help="epochs per run (default 10)")
+    s.add_argument(
+        "--workdir", type=Path, default=Path("runs/bench-sites"), help="data and runs of the benchmark"
+    )
+    s.set_defaults(func=_bench_sites)
     s = bench.add_parser(
         "memory", help="fused kernels vs baseline, checkpointing and torch.compile: memory and time"
     )

@@ -263,6 +263,7 @@ def _train(
             session.phase("validate")
             model.eval()
             record.update(task.validate(model, data.val_loader, device))
+        record["time"] = round(time.time(), 3)  # wall clock after validation: time-to-accuracy curves
         session.phase("save")
         metric = record.get(task.key_metric)
         is_best = metric is not None and metric > best

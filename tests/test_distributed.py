@@ -156,3 +156,54 @@ def test_gssp_and_local_sgd_equal_their_single_process_replays() -> None:
     assert proc.returncode == 0, out[-4000:]
     assert "FAIL " not in out, out[-4000:]
     assert out.count("PASS ") == 10, out[-4000:]
+
+
+def _model_of(path: Path) -> dict:
+    return load_checkpoint(path)["model"]
+
+
+def test_compressed_gssp_resume_equals_the_uninterrupted_run(dist_data: Path, tmp_path: Path) -> None:
+    """Two groups with 4-bit rounds (an error-feedback residual per rank): stop after epoch 1, resume, and
+    land on the uninterrupted run's parameters, because the residuals travel in the checkpoint."""
+    dist = {
+        "sync": "gssp",
+        "groups": [[0], [1]],
+        "periods": [1, 1],
+        "staleness": 0,
+        "compression": "fixed",
+        "bits": 4,
+    }
+    whole = write_config(tmp_path, dist_data, "whole", dist, epochs=2)
+    parts = write_config(tmp_path, dist_data, "parts", dist, epochs=1)
+    for args in (
+        ["--config", str(whole)],
+        ["--config", str(parts)],
+        ["--config", str(parts), "--resume", "train.epochs=2"],
+    ):
+        proc = medseg("train", *args, "--np", "2")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    state = load_checkpoint(tmp_path / "runs" / "parts" / "checkpoints" / "last.pt")
+    assert (
+        state["epoch"] == 2 and len(state["dist"]) == 2 and state["dist"][1]["delta"]
+    )  # rank 1's residual too
+    a, b = _model_of(tmp_path / "runs" / "whole" / "checkpoints" / "last.pt"), state["model"]
+    diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert diff <= 1e-6, diff
+
+
+def test_measured_lead_respects_the_bound_and_exceeds_it_when_the_bound_is_off(
+    dist_data: Path, tmp_path: Path
+) -> None:
+    """The lead is measured from the leaders' timestamped records, not read from the schedule: with the bound
+    switched off (s = 50) a 3x faster group runs several rounds ahead; with s = 1 it never leads by more than 1."""
+    from medseg.distributed.bench_sites import _rank_records, max_lead_rounds
+
+    leads = {}
+    for s in (1, 50):
+        dist = {"sync": "gssp", "groups": [[0], [1]], "periods": [1, 1], "staleness": s}
+        config = write_config(tmp_path, dist_data, f"lead{s}", dist, epochs=1)
+        proc = medseg("train", "--config", str(config), "--np", "2", "--straggler", "1:3")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        leads[s] = max_lead_rounds(_rank_records(tmp_path / "runs" / f"lead{s}"))
+    assert leads[1] is not None and leads[1] <= 1, leads
+    assert leads[50] > 1, leads

@@ -38,7 +38,9 @@ def test_dc_asgd_off_is_identity() -> None:
 
 
 def _state(phase: str, last_seen: float, last_step: float = 0.0, since: float = 0.0) -> RankState:
-    return RankState(host="h", phase=phase, first_seen=0.0, last_seen=last_seen, phase_since=since, last_step=last_step)
+    return RankState(
+        host="h", phase=phase, first_seen=0.0, last_seen=last_seen, phase_since=since, last_step=last_step
+    )
 
 
 def test_watchdog_names_a_silent_rank_and_spares_long_phases() -> None:
@@ -58,3 +60,16 @@ def test_watchdog_names_a_silent_rank_and_spares_long_phases() -> None:
     assert dog.verdict(states, now=585.0) is None
     # a rank that never reports within the start-up grace period
     assert "rank 1 never reported" in (dog.verdict({0: _state("train", 600.0)}, now=601.0) or "")
+
+
+def test_max_lead_rounds_from_timestamps() -> None:
+    from medseg.distributed.bench_sites import max_lead_rounds
+
+    # group of rank 0 submits rounds at t = 1, 2, 3, 4; the slow group (rank 2) at t = 2.5, 5
+    fast = [{"ev": "submit", "round": k, "t": float(k + 1)} for k in range(4)]
+    fast += [{"ev": "start", "round": k + 1, "t": k + 1.1} for k in range(4)]
+    slow = [{"ev": "submit", "round": 0, "t": 2.5}, {"ev": "start", "round": 1, "t": 2.6}]
+    slow += [{"ev": "submit", "round": 1, "t": 5.0}, {"ev": "start", "round": 2, "t": 5.1}]
+    # at t = 4.1 the fast group has completed 4 rounds, the slow one 1: a lead of 3
+    assert max_lead_rounds({0: fast, 2: slow}) == 3
+    assert max_lead_rounds({0: fast}) is None  # one group: nothing to lead
