@@ -41,7 +41,7 @@ from medseg.models import build_network, network_def
 log = logging.getLogger(__name__)
 
 SCHEMA = (
-    "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/download/0.8.1/meta_schema_20220324.json"
+    "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/download/0.8.1/meta_schema_20240725.json"
 )
 SETTINGS = Path("configs") / "medseg.json"
 SEG_POSTFIX = "seg"
@@ -114,10 +114,12 @@ def _metadata(
         "monai_version": monai.__version__,
         "pytorch_version": torch.__version__.split("+")[0],
         "numpy_version": np.__version__,
-        # What inference.json needs besides MONAI, torch and numpy: nibabel reads and writes NIfTI.
-        "required_packages_version": {"nibabel": __import__("nibabel").__version__},
-        "optional_packages_version": {
-            "pytorch-ignite": __import__("ignite").__version__,
+        # What inference.json needs besides MONAI, torch and numpy: nibabel reads and writes NIfTI, the
+        # evaluator runs on ignite, `python -m monai.bundle` parses its arguments with fire. (MONAI 1.6
+        # reads the older `optional_packages_version` as this key and would let it replace this one.)
+        "required_packages_version": {
+            "nibabel": _version("nibabel"),
+            "pytorch-ignite": _version("pytorch-ignite"),
             "fire": _version("fire"),
         },
         "name": cfg.name,
