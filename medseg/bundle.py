@@ -299,8 +299,7 @@ def _inference_config(cfg: Config, net: dict[str, Any]) -> dict[str, Any]:
             "else [{'image': f} for f in sorted(glob.glob(os.path.join(@dataset_dir, '*.nii*')))]"
         ),
         "output_dir": "$@bundle_root + '/eval'",
-        "output_postfix": SEG_POSTFIX,
-        "output_ext": ".nii.gz",
+        **({"output_postfix": SEG_POSTFIX, "output_ext": ".nii.gz"} if seg else {}),
         "num_workers": 0,
         "network_def": net,
         "network": "$@network_def.to(@device)",
@@ -430,7 +429,7 @@ Weights of epoch {epoch}, chosen on {cases_line}.
 
 ## Running with MONAI alone (no medseg)
 
-Needs `monai`, `torch`, `nibabel`, `pytorch-ignite` and `fire` (see `configs/metadata.json`).
+From this folder; needs `monai`, `torch`, `nibabel`, `pytorch-ignite` and `fire` (see `configs/metadata.json`).
 
 ```bash
 python -m monai.bundle run --config_file configs/inference.json --bundle_root . \\

@@ -65,15 +65,18 @@ def monai_bundle(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
-def bundle_run(bundle: Path, cases: Path, out: Path) -> None:
+def bundle_run(bundle: Path, cases: Path | list[Path], out: Path) -> None:
+    """``monai.bundle run`` on a folder (``dataset_dir``) or on a list of files (``input``)."""
+    source = (
+        ["--dataset_dir", cases] if isinstance(cases, Path) else ["--input", repr([str(c) for c in cases])]
+    )
     monai_bundle(
         "run",
         "--config_file",
         bundle / "configs" / "inference.json",
         "--bundle_root",
         bundle,
-        "--dataset_dir",
-        cases,
+        *source,
         "--output_dir",
         out,
         "--device",
@@ -159,7 +162,7 @@ def test_monai_bundle_run_writes_medseg_probabilities(cls_run, cls_data: Path, t
     bundle = cls_run.run_dir / "bundle"
     cases = write_cases(cls_data, tmp_path / "cases")
     out = tmp_path / "monai"
-    bundle_run(bundle, tmp_path / "cases", out)
+    bundle_run(bundle, cases, out)
     with open(out / "predictions.csv") as f:
         rows = {Path(r[0]).name: [float(v) for v in r[1:]] for r in csv.reader(f)}
     assert sorted(rows) == sorted(c.name for c in cases)
