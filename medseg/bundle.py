@@ -107,6 +107,7 @@ def _metadata(
     n = len(labels)
     modality = _modality(validation)
     channel_def = {str(k): v for k, v in labels.items()}
+    packages = {name: _version(name) for name in ("nibabel", "pytorch-ignite", "fire")}
     return {
         "schema": SCHEMA,
         "version": "0.1.0",
@@ -115,13 +116,11 @@ def _metadata(
         "pytorch_version": torch.__version__.split("+")[0],
         "numpy_version": np.__version__,
         # What inference.json needs besides MONAI, torch and numpy: nibabel reads and writes NIfTI, the
-        # evaluator runs on ignite, `python -m monai.bundle` parses its arguments with fire. (MONAI 1.6
-        # reads the older `optional_packages_version` as this key and would let it replace this one.)
-        "required_packages_version": {
-            "nibabel": _version("nibabel"),
-            "pytorch-ignite": _version("pytorch-ignite"),
-            "fire": _version("fire"),
-        },
+        # evaluator runs on ignite, `python -m monai.bundle` parses its arguments with fire. The bundle
+        # specification names this key `optional_packages_version`; MONAI 1.6 renames that to
+        # `required_packages_version` on reading (the newer schema's key), so both hold the same list.
+        "required_packages_version": packages,
+        "optional_packages_version": packages,
         "name": cfg.name,
         "task": f"3D {cfg.task} with {cfg.model.name}",
         "description": (

@@ -38,6 +38,20 @@ from .conftest import tiny_seg_config
 from .geometry import oblique
 
 ROOT = Path(__file__).resolve().parents[1]
+# Mandatory metadata keys of the MONAI bundle specification (docs/source/mb_specification.rst), which the
+# schema (meta_schema_*.json, not downloadable here) encodes.
+SPEC_KEYS = {
+    "version",
+    "monai_version",
+    "pytorch_version",
+    "numpy_version",
+    "optional_packages_version",
+    "task",
+    "description",
+    "authors",
+    "copyright",
+    "network_data_format",
+}
 # Keys every tensor format specifier must have (MONAI bundle specification, "metadata.json File").
 TENSOR_KEYS = {
     "type",
@@ -205,11 +219,13 @@ def test_bundle_is_monai_only_and_complete(which: str, request: pytest.FixtureRe
     assert "medseg" not in text.lower()
     meta = json.loads((bundle / "configs" / "metadata.json").read_text())
     # MONAI's own minimal metadata (what `monai.bundle init_bundle` writes) and required meta properties.
+    assert SPEC_KEYS <= set(meta)
     assert set(DEFAULT_METADATA) <= set(meta)
     for name, prop in MetaProperties.items():
         if prop["required"]:
             assert name in meta, name
-    assert "optional_packages_version" not in meta  # MONAI 1.6 renames it over required_packages_version
+    # The specification's key and the one MONAI 1.6 renames it to on reading must not disagree.
+    assert meta["optional_packages_version"] == meta["required_packages_version"]
     assert {"nibabel", "pytorch-ignite", "fire"} <= set(meta["required_packages_version"])
     assert "medseg" not in meta["required_packages_version"]
     formats = meta["network_data_format"]
