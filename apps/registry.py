@@ -1,6 +1,6 @@
 """The models the viewer offers: every MONAI bundle under the runs folder and under folders the user names.
 
-Listing reads only each bundle's ``configs/metadata.json`` and ``configs/inference.json``; the
+Listing reads only each bundle's ``configs/metadata.json`` and ``configs/medseg.json``; the
 network itself is built by ``medseg.bundle.load_bundle`` when a model is chosen (the app caches
 that with ``st.cache_resource``).
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from medseg.bundle import find_bundle
+from medseg.bundle import find_bundle, read_settings
 from medseg.errors import RunError
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def read_info(path: str | Path) -> ModelInfo:
     root = find_bundle(path)
     try:
         meta = json.loads((root / "configs" / "metadata.json").read_text())
-        cfg = json.loads((root / "configs" / "inference.json").read_text())["medseg"]
+        cfg = read_settings(root)
         mtime = (root / "models" / "model.pt").stat().st_mtime
         return ModelInfo(
             bundle=root.resolve(),

@@ -3,18 +3,26 @@
 Layout (MONAI bundle specification)::
 
     bundle/
-      configs/metadata.json    versions, task, labels, input/output format, validation metrics
-      configs/inference.json   network_def (MONAI config syntax), inferer, medseg preprocessing settings
+      configs/metadata.json    versions, task, labels, input/output format, preprocessing, validation data
+      configs/inference.json   a complete MONAI inference workflow (MONAI components only)
+      configs/medseg.json      the resolved training config, read by medseg's own inference and viewer
       models/model.pt          state_dict only, read with torch.load(weights_only=True)
-      docs/README.md
+      docs/README.md           inputs, outputs, intended use, validation data, limits, how to run
 
-The network is rebuilt from ``network_def`` with MONAI's ``ConfigParser``; preprocessing is rebuilt
-from the ``medseg`` section, which holds the training config's task, transforms and infer settings.
+``inference.json`` runs by itself with ``python -m monai.bundle run``: it reads NIfTI files, applies
+the same preprocessing as :func:`medseg.transforms.preprocess` (RAS, resampling, intensity window),
+runs the network with the inferer medseg uses, and writes label maps inverted back onto each input's
+grid (``Invertd``, ``SaveImaged``) or class probabilities as CSV. It never imports medseg.
+
+medseg rebuilds the network from ``network_def`` with MONAI's ``ConfigParser`` and its preprocessing
+from ``configs/medseg.json`` (bundles written before that file existed hold the same mapping as a
+``medseg`` block inside ``inference.json``; both are read).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -27,12 +35,17 @@ import torch
 
 from medseg import __version__
 from medseg.config import Config, config_from_dict
-from medseg.errors import ConfigError, RunError
+from medseg.errors import ConfigError, DataError, MedsegError, RunError
 from medseg.models import build_network, network_def
 
+log = logging.getLogger(__name__)
+
 SCHEMA = (
-    "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/download/0.8.1/meta_schema_20220324.json"
+    "https://github.com/Project-MONAI/MONAI-extra-test-data/releases/download/0.8.1/meta_schema_20240725.json"
 )
+SETTINGS = Path("configs") / "medseg.json"
+SEG_POSTFIX = "seg"
+CLS_FILENAME = "predictions.csv"
 
 
 @dataclass
@@ -52,9 +65,49 @@ class Bundle:
         return self.metadata.get("name", self.path.parent.name)
 
 
-def _metadata(cfg: Config, labels: dict[int, str], metrics: dict[str, Any], epoch: int) -> dict[str, Any]:
+def _validation_data(cfg: Config) -> dict[str, Any]:
+    """The dataset, split and cases the exported weights were selected on (best validation epoch)."""
+    from medseg.datasets.decathlon import load_dataset, split_train_val
+
+    info: dict[str, Any] = {
+        "dataset_dir": cfg.data.dir,
+        "val_fraction": cfg.data.val_fraction,
+        "split_seed": cfg.train.seed,
+    }
+    try:
+        dataset = load_dataset(cfg.data.dir)
+    except MedsegError as exc:  # the bundle is still useful without the case list
+        log.warning("bundle: validation cases not listed (%s)", exc)
+        return info
+    _, val = split_train_val(dataset.training, cfg.data.val_fraction, cfg.train.seed)
+    info.update(
+        dataset_name=dataset.name,
+        modality=dataset.modality,
+        num_training_cases=len(dataset.training) - len(val),
+        cases=[Path(item["image"]).name for item in val],
+    )
+    return info
+
+
+def _modality(validation: dict[str, Any]) -> str:
+    modality = validation.get("modality") or {}
+    return str(modality.get("0", next(iter(modality.values()), "CT")))
+
+
+def _metadata(
+    cfg: Config,
+    labels: dict[int, str],
+    metrics: dict[str, Any],
+    epoch: int,
+    validation: dict[str, Any],
+    torchscript_problem: str | None,
+) -> dict[str, Any]:
     seg = cfg.task == "segmentation"
+    t = cfg.transforms
     n = len(labels)
+    modality = _modality(validation)
+    channel_def = {str(k): v for k, v in labels.items()}
+    packages = {name: _version(name) for name in ("nibabel", "pytorch-ignite", "fire")}
     return {
         "schema": SCHEMA,
         "version": "0.1.0",
@@ -62,26 +115,57 @@ def _metadata(cfg: Config, labels: dict[int, str], metrics: dict[str, Any], epoc
         "monai_version": monai.__version__,
         "pytorch_version": torch.__version__.split("+")[0],
         "numpy_version": np.__version__,
-        "optional_packages_version": {
-            "nibabel": __import__("nibabel").__version__,
-            "pydicom": __import__("pydicom").__version__,
-        },
-        "required_packages_version": {"medseg": __version__},
+        # What inference.json needs besides MONAI, torch and numpy: nibabel reads and writes NIfTI, the
+        # evaluator runs on ignite, `python -m monai.bundle` parses its arguments with fire. The bundle
+        # specification names this key `optional_packages_version`; MONAI 1.6 renames that to
+        # `required_packages_version` on reading (the newer schema's key), so both hold the same list.
+        "required_packages_version": packages,
+        "optional_packages_version": packages,
         "name": cfg.name,
         "task": f"3D {cfg.task} with {cfg.model.name}",
-        "description": f"medseg {cfg.task} model '{cfg.name}' ({cfg.model.name}), trained on {cfg.data.dir}",
+        "description": (
+            f"{cfg.task.capitalize()} model '{cfg.name}' ({cfg.model.name}) trained with medseg on "
+            f"{validation.get('dataset_name', cfg.data.dir)}; runs with MONAI alone (configs/inference.json)"
+        ),
         "authors": "medseg",
         "copyright": "Copyright (c) the medseg authors",
         "data_source": cfg.data.dir,
+        "data_type": "nifti",
         "intended_use": "Research and development only; not for clinical decisions.",
+        "image_classes": (
+            f"one channel, oriented RAS, resampled to {list(t.spacing)} mm, intensities {list(t.window)} "
+            "windowed linearly onto [0, 1] and clipped"
+        ),
+        "label_classes": ", ".join(f"{k} is {v}" for k, v in labels.items()),
+        "pred_classes": f"{n} channels (logits), one per class; the label is the channel with the largest value",
+        "preprocessing": {
+            "orientation": "RAS",
+            "spacing_mm": list(t.spacing),
+            "spacing_interpolation": "bilinear",
+            "intensity": {"window": list(t.window), "to_range": [0.0, 1.0], "clip": True},
+            "foreground_crop": False,  # training crops to the body; inference runs on the whole volume
+            "resize_to": None if seg else list(t.patch),
+        },
+        "inference": {
+            "inferer": "sliding window" if seg else "whole volume",
+            "roi_size": list(t.patch),
+            "overlap": cfg.infer.overlap if seg else None,
+            "blend_mode": cfg.infer.mode if seg else None,
+            "output": "label map on the input's grid and affine (NIfTI, uint8)"
+            if seg
+            else f"class probabilities (CSV {CLS_FILENAME}: file, then one column per class in label order)",
+        },
+        "torchscript": {"scriptable": torchscript_problem is None, "problem": torchscript_problem},
+        "eval_metrics": metrics,
+        "validated_on": {**validation, "best_epoch": epoch, "metrics": metrics},
         "network_data_format": {
             "inputs": {
                 "image": {
                     "type": "image",
-                    "format": "hounsfield" if cfg.transforms.window[0] < 0 else "magnitude",
-                    "modality": "CT",
+                    "format": "hounsfield" if modality == "CT" else "magnitude",
+                    "modality": modality,
                     "num_channels": 1,
-                    "spatial_shape": list(cfg.transforms.patch),
+                    "spatial_shape": list(t.patch),
                     "dtype": "float32",
                     "value_range": [0, 1],
                     "is_patch_data": seg,
@@ -91,36 +175,280 @@ def _metadata(cfg: Config, labels: dict[int, str], metrics: dict[str, Any], epoc
             "outputs": {
                 "pred": {
                     "type": "image" if seg else "probabilities",
-                    "format": "segmentation" if seg else "classes",
+                    "format": "labels" if seg else "classes",
+                    "modality": "n/a",
                     "num_channels": n,
-                    "spatial_shape": list(cfg.transforms.patch) if seg else [n],
+                    "spatial_shape": list(t.patch) if seg else [n],
                     "dtype": "float32",
-                    "value_range": [0, 1],
+                    "value_range": [],
                     "is_patch_data": seg,
-                    "channel_def": {str(k): v for k, v in labels.items()},
+                    "channel_def": channel_def,
                 }
             },
         },
-        "medseg_labels": {str(k): v for k, v in labels.items()},
+        "medseg_labels": channel_def,
         "medseg_metrics": metrics,
     }
 
 
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _preprocessing(cfg: Config) -> dict[str, Any]:
+    """MONAI's form of :func:`medseg.transforms.preprocess` after medseg's loader (NIfTI via nibabel)."""
+    t = cfg.transforms
+    chain: list[dict[str, Any]] = [
+        {"_target_": "LoadImaged", "keys": "image", "reader": "NibabelReader", "image_only": True},
+        {"_target_": "EnsureChannelFirstd", "keys": "image"},
+        {"_target_": "Orientationd", "keys": "image", "axcodes": "RAS"},
+        {"_target_": "Spacingd", "keys": "image", "pixdim": list(t.spacing), "mode": "bilinear"},
+        {
+            "_target_": "ScaleIntensityRanged",
+            "keys": "image",
+            "a_min": t.window[0],
+            "a_max": t.window[1],
+            "b_min": 0.0,
+            "b_max": 1.0,
+            "clip": True,
+        },
+    ]
+    if cfg.task == "classification":
+        chain.append({"_target_": "ResizeWithPadOrCropd", "keys": "image", "spatial_size": list(t.patch)})
+    chain.append({"_target_": "EnsureTyped", "keys": "image", "track_meta": True})
+    return {"_target_": "Compose", "transforms": chain}
+
+
+def _postprocessing(cfg: Config) -> dict[str, Any]:
+    """Softmax; for segmentation, probabilities inverted onto the input grid, then argmax, as medseg does."""
+    chain: list[dict[str, Any]] = [{"_target_": "Activationsd", "keys": "pred", "softmax": True}]
+    if cfg.task == "segmentation":
+        chain += [
+            # Inverting the probabilities (bilinear) before the argmax is what medseg.infer.predict does;
+            # inverting a label map instead would need nearest interpolation and gives other borders.
+            {
+                "_target_": "Invertd",
+                "keys": "pred",
+                "transform": "@preprocessing",
+                "orig_keys": "image",
+                "nearest_interp": False,
+                "to_tensor": True,
+            },
+            {"_target_": "AsDiscreted", "keys": "pred", "argmax": True},
+            {
+                "_target_": "SaveImaged",
+                "keys": "pred",
+                "output_dir": "@output_dir",
+                "output_postfix": "@output_postfix",
+                "output_ext": "@output_ext",
+                "output_dtype": "$numpy.uint8",
+                "resample": False,
+                "separate_folder": False,
+                "print_log": False,
+            },
+        ]
+    return {"_target_": "Compose", "transforms": chain}
+
+
 def _inference_config(cfg: Config, net: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "imports": ["$import torch", "$import monai"],
-        "device": "$torch.device('cuda' if torch.cuda.is_available() else 'cpu')",
-        "network_def": net,
-        "network": "$@network_def.to(@device)",
-        "inferer": {
+    seg = cfg.task == "segmentation"
+    if seg:
+        inferer: dict[str, Any] = {
             "_target_": "SlidingWindowInferer",
             "roi_size": list(cfg.transforms.patch),
             "sw_batch_size": cfg.infer.sw_batch_size,
             "overlap": cfg.infer.overlap,
             "mode": cfg.infer.mode,
+        }
+    else:
+        inferer = {"_target_": "SimpleInferer"}
+    handlers: list[Any] = [
+        {
+            "_target_": "CheckpointLoader",
+            "load_path": "$@bundle_root + '/models/model.pt'",
+            "load_dict": {"model": "@network"},
+            "map_location": "@device",
         },
-        "medseg": cfg.to_dict(),
+        {"_target_": "StatsHandler", "iteration_log": False},
+    ]
+    if not seg:
+        handlers.append(
+            {
+                "_target_": "ClassificationSaver",
+                "output_dir": "@output_dir",
+                "filename": CLS_FILENAME,
+                "batch_transform": "$lambda batch: [item['image'].meta for item in batch]",
+                "output_transform": "$lambda output: [item['pred'] for item in output]",
+            }
+        )
+    return {
+        "imports": ["$import glob", "$import logging", "$import os", "$import numpy", "$import torch"],
+        "bundle_root": ".",
+        "device": "$torch.device('cuda' if torch.cuda.is_available() else 'cpu')",
+        # Inputs: every NIfTI file in dataset_dir, or `input` (one path or a list of paths) when given.
+        "dataset_dir": "$@bundle_root + '/data'",
+        "input": "",
+        "datalist": (
+            "$[{'image': f} for f in ([@input] if isinstance(@input, str) else list(@input))] if @input "
+            "else [{'image': f} for f in sorted(glob.glob(os.path.join(@dataset_dir, '*.nii*')))]"
+        ),
+        "output_dir": "$@bundle_root + '/eval'",
+        **({"output_postfix": SEG_POSTFIX, "output_ext": ".nii.gz"} if seg else {}),
+        "num_workers": 0,
+        "network_def": net,
+        "network": "$@network_def.to(@device)",
+        "preprocessing": _preprocessing(cfg),
+        "dataset": {"_target_": "Dataset", "data": "@datalist", "transform": "@preprocessing"},
+        "dataloader": {
+            "_target_": "DataLoader",
+            "dataset": "@dataset",
+            "batch_size": 1,
+            "shuffle": False,
+            "num_workers": "@num_workers",
+        },
+        "inferer": inferer,
+        "postprocessing": _postprocessing(cfg),
+        "handlers": handlers,
+        "evaluator": {
+            "_target_": "SupervisedEvaluator",
+            "device": "@device",
+            "val_data_loader": "@dataloader",
+            "network": "@network",
+            "inferer": "@inferer",
+            "postprocessing": "@postprocessing",
+            "val_handlers": "@handlers",
+            # Mixed precision on CUDA only, as in training.
+            "amp": "$@device.type == 'cuda'" if cfg.train.amp else False,
+        },
+        "initialize": ["$monai.utils.set_determinism(seed=0)"],
+        "run": ["$@evaluator.run()"],
+        "finalize": ["$logging.getLogger('bundle').info('outputs written to %s', @output_dir)"],
     }
+
+
+def _torchscript_problem(net: dict[str, Any], weights: dict[str, torch.Tensor]) -> str | None:
+    """None when ``torch.jit.script`` accepts the network (what ``monai.bundle ckpt_export`` does), else why not."""
+    try:
+        model = build_network(net)
+        model.load_state_dict(weights)
+        torch.jit.script(model.eval())
+    except Exception as exc:  # noqa: BLE001 - any failure is reported in the bundle, not raised
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"{type(exc).__name__}: {first}"[:300]
+    return None
+
+
+def _readme(
+    cfg: Config,
+    labels: dict[int, str],
+    metrics: dict[str, Any],
+    epoch: int,
+    validation: dict[str, Any],
+    torchscript_problem: str | None,
+) -> str:
+    seg = cfg.task == "segmentation"
+    t = cfg.transforms
+    names = ", ".join(f"{k} = {v}" for k, v in labels.items())
+    shown = "\n".join(
+        f"- {k}: {v:.4f}" if isinstance(v, float) else f"- {k}: {v}" for k, v in metrics.items()
+    )
+    cases = validation.get("cases")
+    cases_line = (
+        f"{len(cases)} held-out cases of `{validation.get('dataset_name', cfg.data.dir)}` "
+        f"(`{cfg.data.dir}`, fraction {cfg.data.val_fraction}, split seed {cfg.train.seed}): "
+        + ", ".join(cases)
+        if cases
+        else f"the validation split of `{cfg.data.dir}` (fraction {cfg.data.val_fraction})"
+    )
+    if seg:
+        output = (
+            f"`<output_dir>/<input name>_{SEG_POSTFIX}.nii.gz`: a uint8 label map ({names}) with the input's "
+            "shape and affine. The class probabilities are computed on the resampled grid, mapped back onto "
+            "the input grid (bilinear, `Invertd`) and then arg-maxed."
+        )
+        model_line = (
+            f"sliding window {list(t.patch)}, overlap {cfg.infer.overlap}, {cfg.infer.mode} blending, "
+            f"{cfg.infer.sw_batch_size} windows per batch"
+        )
+    else:
+        output = (
+            f"`<output_dir>/{CLS_FILENAME}`: one row per input, the file name followed by the softmax "
+            f"probability of each class in label order ({names}); no header."
+        )
+        model_line = f"the whole volume, padded or cropped to {list(t.patch)} voxels"
+    if torchscript_problem is None:
+        ts = (
+            "The network scripts with `torch.jit.script`, so MONAI can export it to TorchScript:\n\n"
+            "```bash\npython -m monai.bundle ckpt_export network_def --filepath models/model.ts \\\n"
+            "    --ckpt_file models/model.pt --meta_file configs/metadata.json "
+            "--config_file configs/inference.json --bundle_root .\n```"
+        )
+    else:
+        ts = (
+            f"**TorchScript: this network ({cfg.model.name}) cannot be scripted** "
+            f"(`torch.jit.script` fails with `{torchscript_problem}`), so `monai.bundle ckpt_export` "
+            "does not work for it; use `models/model.pt` with `network_def`."
+        )
+    return f"""# {cfg.name}
+
+{cfg.task.capitalize()} model ({cfg.model.name}) trained with medseg {__version__} on `{cfg.data.dir}`.
+Research and development only; not for clinical decisions.
+
+## Input
+
+One 3D volume per case, one channel (modality {_modality(validation)}), as NIfTI (`.nii`, `.nii.gz`).
+Preprocessing: orient to RAS, resample to {list(t.spacing)} mm (bilinear), window intensities
+{t.window[0]} to {t.window[1]} linearly onto [0, 1] and clip{"" if seg else f", pad or crop to {list(t.patch)} voxels"}.
+No foreground cropping at inference. The network sees {model_line}.
+
+## Output
+
+{output}
+
+Labels: {names}.
+
+## Validation
+
+Weights of epoch {epoch}, chosen on {cases_line}.
+
+{shown or "- no validation metrics"}
+
+## Limits
+
+- Trained on `{validation.get("dataset_name", cfg.data.dir)}`; other scanners, protocols, fields of view
+  or anatomies are untested.
+- `configs/inference.json` reads NIfTI with nibabel. DICOM series are read by medseg (`medseg infer`),
+  which checks slice positions; convert them first (`medseg data convert`) to use MONAI alone.
+- Intended for research use only; not a medical device.
+
+## Running with MONAI alone (no medseg)
+
+From this folder; needs `monai`, `torch`, `nibabel`, `pytorch-ignite` and `fire` (see `configs/metadata.json`).
+
+```bash
+python -m monai.bundle run --config_file configs/inference.json --bundle_root . \\
+    --dataset_dir /path/to/niftis --output_dir /path/to/out
+# or one file / a list of files:
+python -m monai.bundle run --config_file configs/inference.json --bundle_root . \\
+    --input /path/to/scan.nii.gz --output_dir /path/to/out
+```
+
+`--device "\\$torch.device('cpu')"` forces the CPU; `--num_workers 4` loads cases in parallel.
+
+## TorchScript
+
+{ts}
+
+## With medseg
+
+`medseg infer --run <run folder> --input scan.nii.gz --output mask.nii.gz`, `medseg evaluate`, or
+the viewer (`medseg app`); medseg reads `configs/medseg.json` and gives the same result.
+"""
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -132,25 +460,26 @@ def export_bundle(cfg: Config, state: dict[str, Any], metrics: dict[str, Any]) -
     """Write ``<run>/bundle`` from a checkpoint ``state``; the old bundle is replaced only when the new one is whole."""
     labels = {int(k): v for k, v in state["labels"].items()}
     net = network_def(cfg, out_channels=len(labels))
+    validation = _validation_data(cfg)
+    problem = _torchscript_problem(net, state["model"])
+    if problem:
+        log.warning(
+            "bundle: %s cannot be exported to TorchScript (%s); noted in docs/README.md",
+            cfg.model.name,
+            problem,
+        )
     dest = cfg.run_dir / "bundle"
     tmp = cfg.run_dir / f".bundle.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    _write_json(tmp / "configs" / "metadata.json", _metadata(cfg, labels, metrics, state["epoch"]))
+    meta = _metadata(cfg, labels, metrics, state["epoch"], validation, problem)
+    _write_json(tmp / "configs" / "metadata.json", meta)
     _write_json(tmp / "configs" / "inference.json", _inference_config(cfg, net))
+    _write_json(tmp / SETTINGS, cfg.to_dict())
     (tmp / "models").mkdir()
     torch.save(state["model"], tmp / "models" / "model.pt")
     (tmp / "docs").mkdir()
-    shown = "\n".join(
-        f"- {k}: {v:.4f}" if isinstance(v, float) else f"- {k}: {v}" for k, v in metrics.items()
-    )
-    names = ", ".join(f"{k}={v}" for k, v in labels.items())
     (tmp / "docs" / "README.md").write_text(
-        f"# {cfg.name}\n\nmedseg {cfg.task} model ({cfg.model.name}) trained on `{cfg.data.dir}`.\n\n"
-        f"Labels: {names}.\n\nInput: one CT channel, resampled to {cfg.transforms.spacing} mm (RAS), "
-        f"intensities windowed from {cfg.transforms.window[0]} to {cfg.transforms.window[1]} onto [0, 1].\n\n"
-        f"Validation (best epoch {state['epoch']}):\n{shown or '- none'}\n\n"
-        "Run it with `medseg infer --run <run folder> --input scan.nii.gz --output mask.nii.gz` "
-        "or open it in the viewer. Research use only.\n"
+        _readme(cfg, labels, metrics, state["epoch"], validation, problem)
     )
     old = cfg.run_dir / f".bundle.old-{os.getpid()}"
     if dest.exists():
@@ -171,17 +500,26 @@ def find_bundle(path: str | Path) -> Path:
     )
 
 
+def read_settings(root: str | Path) -> dict[str, Any]:
+    """The training config a bundle was exported with: ``configs/medseg.json``, or for bundles written
+    before that file existed, the ``medseg`` block of ``configs/inference.json``."""
+    root = Path(root)
+    if (root / SETTINGS).is_file():
+        return json.loads((root / SETTINGS).read_text())
+    return json.loads((root / "configs" / "inference.json").read_text())["medseg"]
+
+
 def load_bundle(path: str | Path, device: str | torch.device = "cpu") -> Bundle:
     """Rebuild the network of a bundle and load its weights (``weights_only=True``)."""
     root = find_bundle(path)
     try:
         metadata = json.loads((root / "configs" / "metadata.json").read_text())
         inference = json.loads((root / "configs" / "inference.json").read_text())
-        cfg = config_from_dict(inference["medseg"])
+        cfg = config_from_dict(read_settings(root))
         model = build_network(inference["network_def"])
         weights = torch.load(root / "models" / "model.pt", map_location="cpu", weights_only=True)
         model.load_state_dict(weights)
-    except (OSError, KeyError, json.JSONDecodeError, ConfigError, RuntimeError, EOFError) as exc:
+    except (OSError, KeyError, json.JSONDecodeError, ConfigError, DataError, RuntimeError, EOFError) as exc:
         raise RunError(
             f"{root}: bundle is damaged or incomplete ({type(exc).__name__}: {exc}); export it again by training"
         ) from None
