@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -66,6 +67,9 @@ class LocalSession:
 
     def phase(self, what: str) -> None:
         """No heartbeat outside a launched job."""
+
+    def report(self, record: dict[str, Any]) -> None:
+        """No launcher to report to outside a launched job."""
 
     def start_epoch(self) -> None:
         """Nothing to time in one process."""
@@ -244,6 +248,9 @@ class HorovodSession(LocalSession):
     def phase(self, what: str) -> None:
         self.beats.set_phase(what)
 
+    def report(self, record: dict[str, Any]) -> None:
+        self.beats.send(record)
+
     def after_step(self, epoch: int, step: int, n_samples: int) -> None:
         stats = self.optimizer.stats
         self.epoch_samples += n_samples
@@ -286,6 +293,7 @@ class HorovodSession(LocalSession):
             "wall_s": wall,
             "slept_s": self.straggler.slept_s,
             "compute_s": self.compute_s,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
         everyone = self.channel.gather_objects(mine)
         stats.reset()
@@ -303,6 +311,7 @@ class HorovodSession(LocalSession):
             "dist_rank_time": [
                 {k: round(r[k], 3) for k in ("compute_s", "site_s", "wan_wait_s", "wall_s")} for r in everyone
             ],
+            "dist_rank_peak_rss_mb": [round(r["peak_rss_mb"]) for r in everyone],
             "dist_rank_speeds": [
                 round(r["samples"] / r["compute_s"], 3) if r["compute_s"] else None for r in everyone
             ],

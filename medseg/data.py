@@ -9,6 +9,7 @@ weights it starts from and a resumed run repeats an uninterrupted one exactly.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ class TrainData:
     train_chain: mt.Compose
     train_loader: DataLoader
     val_loader: DataLoader | None
+    cache_mb: float = 0.0  # resident memory the training cases added (their cache)
 
 
 def _dataset(cfg: Config, items: list[dict], chain: mt.Compose, tag: str) -> Dataset:
@@ -87,6 +89,15 @@ def _build(cfg: Config, items: list[dict], chain: mt.Compose, tag: str, root: Pa
             f"{root}: a {tag} case could not be loaded ({type(root_exc).__name__}: {first_line}); "
             f"run `medseg data validate {root}` to find it"
         ) from exc
+
+
+def _rss_mb() -> float:
+    """This process's resident memory in MB (Linux /proc; 0 elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
 
 
 def _check_pairs(items: list[dict], root: Path) -> None:
@@ -146,7 +157,10 @@ def make_train_data(
         len(mine),
         len(val_items),
     )
+    before = _rss_mb()
     train_ds = _build(cfg, mine, train_chain, "train", info.root)
+    cache_mb = _rss_mb() - before
+    log.info("training cases loaded: resident memory grew by %.0f MB for %d cases", cache_mb, len(mine))
     val_ds = _build(cfg, val_items, val_chain, "val", info.root) if val_items else None
     gen = torch.Generator()
     if per_epoch is None:
@@ -169,7 +183,7 @@ def make_train_data(
     val_loader = (
         DataLoader(val_ds, batch_size=1, num_workers=cfg.data.num_workers) if val_ds is not None else None
     )
-    return TrainData(info, mine, val_items, train_chain, train_loader, val_loader)
+    return TrainData(info, mine, val_items, train_chain, train_loader, val_loader, cache_mb)
 
 
 def seed_epoch(data: TrainData, seed: int, epoch: int, rank: int = 0) -> None:

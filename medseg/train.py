@@ -190,6 +190,7 @@ def _train(
     session.prepare(profile_step)
     session.phase("load")
     data = make_train_data(cfg, session, split)  # this rank's own cases, cached once
+    session.report({"ev": "loaded", "cases": len(data.train_items), "cache_mb": round(data.cache_mb, 1)})
     scheduler = (
         torch.optim.lr_scheduler.CosineAnnealingLR(base_optimizer, T_max=t.epochs)
         if t.scheduler == "cosine"
