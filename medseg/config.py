@@ -81,9 +81,9 @@ class DistConfig:
 
     sync: Literal["none", "bsp", "gssp", "ssp", "local-sgd"] = "none"
     groups: list[list[int]] = field(default_factory=list)  # explicit groups of ranks; [] = by group_by
-    group_by: Literal["host", "speed"] = (
-        "host"  # gssp without groups: one group per host (site), or k-means on speed
-    )
+    # gssp without groups: one group per host (site), or k-means on measured speed
+    group_by: Literal["host", "speed"] = "host"
+    periods: list[int] = field(default_factory=list)  # steps per round of each group; [] = from speeds
     num_groups: int = 0  # with automatic groups: 0 = chosen by Calinski-Harabasz
     staleness: int = 2  # gssp/ssp: rounds a group may run ahead of the slowest
     dc_lambda: float = 0.0  # gssp/ssp: DC-ASGD delay compensation strength (0 = off)

@@ -3,6 +3,11 @@
 Validation during training runs on the model's own grid (resampled volumes). Final numbers for a
 trained model come from :mod:`medseg.evaluate`, which scores predictions in each case's original
 geometry through the same inference path users run.
+
+Metrics use MONAI's functional forms (``compute_dice``, ``compute_hausdorff_distance``,
+``compute_roc_auc``) and reduce per class here: MONAI's cumulative metric objects all-gather their
+buffers whenever a distributed backend is up (torch.distributed, or Horovod through ignite), and in a
+multi-rank job rank 0 validates alone.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from typing import Any
 import torch
 from monai.inferers import sliding_window_inference
 from monai.losses import DiceCELoss
-from monai.metrics import DiceMetric, HausdorffDistanceMetric, ROCAUCMetric
+from monai.metrics import compute_dice, compute_hausdorff_distance, compute_roc_auc
+from monai.metrics.utils import do_metric_reduction
 from monai.networks.utils import one_hot
 
 from medseg.config import Config
@@ -39,8 +45,7 @@ class SegmentationTask:
     @torch.no_grad()
     def validate(self, model: torch.nn.Module, loader: Any, device: torch.device) -> dict[str, Any]:
         t, inf = self.cfg.transforms, self.cfg.infer
-        dice = DiceMetric(include_background=False, reduction="mean_batch", ignore_empty=True)
-        hd95 = HausdorffDistanceMetric(include_background=False, percentile=95, reduction="mean_batch")
+        dices, hds = [], []
         for batch in loader:
             image = batch["image"].to(device)
             logits = sliding_window_inference(
@@ -48,9 +53,15 @@ class SegmentationTask:
             )
             pred = one_hot(logits.argmax(1, keepdim=True), self.num_classes)
             truth = one_hot(batch["label"].to(device).long(), self.num_classes)
-            dice(pred, truth)
-            hd95(pred, truth, spacing=t.spacing)
-        per_dice, per_hd = dice.aggregate().cpu().tolist(), hd95.aggregate().cpu().tolist()
+            dices.append(compute_dice(pred, truth, include_background=False, ignore_empty=True))
+            hds.append(
+                compute_hausdorff_distance(
+                    pred, truth, include_background=False, percentile=95, spacing=t.spacing
+                )
+            )
+        # mean over cases per class, NaNs (class absent) left out, as DiceMetric(reduction="mean_batch")
+        per_dice = do_metric_reduction(torch.cat(dices), "mean_batch")[0].cpu().tolist()
+        per_hd = do_metric_reduction(torch.cat(hds).float(), "mean_batch")[0].cpu().tolist()
         names = [self.labels[k] for k in sorted(self.labels) if k != 0]
         out: dict[str, Any] = {"val_dice": _finite(sum(per_dice) / len(per_dice))}
         for name, d, h in zip(names, per_dice, per_hd):
@@ -82,11 +93,10 @@ class ClassificationTask:
 
 
 def classification_metrics(probs: torch.Tensor, labels: torch.Tensor, num_classes: int) -> dict[str, Any]:
-    """ROC-AUC (MONAI's ROCAUCMetric, macro over classes) and accuracy from class probabilities."""
-    auc = ROCAUCMetric(average="macro")
-    auc(probs, one_hot(labels[:, None], num_classes, dim=1))
+    """ROC-AUC (MONAI's compute_roc_auc, macro over classes) and accuracy from class probabilities."""
+    auc = compute_roc_auc(probs, one_hot(labels[:, None], num_classes, dim=1), average="macro")
     accuracy = (probs.argmax(1) == labels).float().mean().item()
-    return {"val_auc": _finite(auc.aggregate()), "val_accuracy": accuracy}
+    return {"val_auc": _finite(auc), "val_accuracy": accuracy}
 
 
 def make_task(cfg: Config, labels: dict[int, str]) -> SegmentationTask | ClassificationTask:

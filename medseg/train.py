@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,18 @@ def _attach_log_file(run_dir: Path) -> logging.Handler:
 def _plain(x: torch.Tensor) -> torch.Tensor:
     """Drop MetaTensor bookkeeping for the network's forward and backward (it costs time, not accuracy)."""
     return x.as_tensor() if hasattr(x, "as_tensor") else x
+
+
+def _fault_delay(phase: str, rank: int) -> None:
+    """Fault injection for tests: ``MEDSEG_FAULT_SLOW=PHASE:RANK:SECONDS`` (e.g. ``load:1:40``) makes
+    that rank spend that long in that phase (``load`` or ``validate``), as a slow disk or a long
+    validation would; the watchdog must keep the job alive."""
+    spec = os.environ.get("MEDSEG_FAULT_SLOW", "")
+    for item in filter(None, spec.split(",")):
+        what, r, seconds = item.split(":")
+        if what == phase and int(r) == rank:
+            log.info("fault injection: rank %d spends %s s more in %s", rank, seconds, phase)
+            time.sleep(float(seconds))
 
 
 def _probe_batch(cfg: Config, num_classes: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -190,6 +203,7 @@ def _train(
     session.prepare(profile_step)
     session.phase("load")
     data = make_train_data(cfg, session, split)  # this rank's own cases, cached once
+    _fault_delay("load", session.rank)
     session.report({"ev": "loaded", "cases": len(data.train_items), "cache_mb": round(data.cache_mb, 1)})
     scheduler = (
         torch.optim.lr_scheduler.CosineAnnealingLR(base_optimizer, T_max=t.epochs)
@@ -262,6 +276,7 @@ def _train(
             continue  # rank 0 alone validates and writes; the others wait for it at the next epoch
         if data.val_loader is not None and (epoch % t.val_interval == 0 or epoch == t.epochs):
             session.phase("validate")
+            _fault_delay("validate", session.rank)
             model.eval()
             record.update(task.validate(model, data.val_loader, device))
         record["time"] = round(time.time(), 3)  # wall clock after validation: time-to-accuracy curves

@@ -207,3 +207,21 @@ def test_measured_lead_respects_the_bound_and_exceeds_it_when_the_bound_is_off(
         leads[s] = max_lead_rounds(_rank_records(tmp_path / "runs" / f"lead{s}"))
     assert leads[1] is not None and leads[1] <= 1, leads
     assert leads[50] > 1, leads
+
+
+def test_long_loading_and_validation_never_trip_the_watchdog(dist_data: Path, tmp_path: Path) -> None:
+    """Rank 1 loads for 3x dist.timeout_s and rank 0 validates for 3x dist.timeout_s: both stay alive
+    (heartbeats with their phase), so the job finishes; the watchdog only stops silent or stuck ranks."""
+    config = write_config(tmp_path, dist_data, "slow", {"sync": "bsp", "timeout_s": 15}, epochs=2)
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", MEDSEG_FAULT_SLOW="load:1:45,validate:0:45")
+    proc = subprocess.run(
+        [str(BIN / "medseg"), "train", "--config", str(config), "--np", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fault injection: rank 1 spends 45 s more in load" in proc.stdout + proc.stderr
+    assert [r["epoch"] for r in read_metrics(tmp_path / "runs" / "slow" / "metrics.jsonl")] == [1, 2]
