@@ -298,7 +298,9 @@ def check_host(cpu: bool = False) -> None:
         raise SitesError(f"--cpu needs cgroup v1 cpu mounted at {CGROUP_ROOT} (cpu.cfs_quota_us not found)")
 
 
-def _run(argv: Sequence[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+def _run(argv: str | Sequence[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    """Run a command (a string is split on spaces: only for our own names and numbers); SitesError on failure."""
+    argv = argv.split() if isinstance(argv, str) else list(argv)
     try:
         proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -446,6 +448,12 @@ def sweep() -> list[str]:
         with contextlib.suppress(OSError):
             Path("/run/sshd").rmdir()
     return removed
+
+
+def down() -> list[str]:
+    """Remove the testbed on this machine, whoever made it, and whatever a crash left (see :func:`sweep`)."""
+    with _lock():
+        return sweep()
 
 
 def leftovers() -> list[str]:
@@ -809,49 +817,30 @@ class Testbed:
                     )
 
     def _make_router(self) -> None:
-        _run(["ip", "netns", "add", ROUTER_NS])
-        self._ns_basics(ROUTER_NS)
-        _run(
-            _ns(
-                ROUTER_NS,
-                "sysctl",
-                "-q",
-                "-w",
-                "net.ipv4.ip_forward=1",
-                "net.ipv4.conf.all.rp_filter=0",
-                "net.ipv4.conf.default.rp_filter=0",
-            )
-        )
+        r = ROUTER_NS
+        _run(f"ip netns add {r}")
+        self._ns_basics(r)
+        _run(f"ip netns exec {r} sysctl -q -w net.ipv4.ip_forward=1 net.ipv4.conf.all.rp_filter=0")
+        _run(f"ip netns exec {r} sysctl -q -w net.ipv4.conf.default.rp_filter=0")
         # The launcher's link: root's msite0 <-> the router's to-l, never delayed.
-        _run(["ip", "link", "add", IFACE, "type", "veth", "peer", "name", LAUNCHER_DEV, "netns", ROUTER_NS])
-        _run(["sysctl", "-q", "-w", f"net.ipv6.conf.{IFACE}.disable_ipv6=1"], check=False)
-        _run(["ip", "addr", "add", f"{LAUNCHER_IP}/24", "dev", IFACE])
-        _run(["ip", "link", "set", IFACE, "up"])
-        _run(["ip", "-n", ROUTER_NS, "addr", "add", "198.18.0.254/24", "dev", LAUNCHER_DEV])
-        _run(["ip", "-n", ROUTER_NS, "link", "set", LAUNCHER_DEV, "up"])
-        _run(["ip", "route", "add", str(NETWORK), "via", "198.18.0.254", "dev", IFACE])
+        _run(f"ip link add {IFACE} type veth peer name {LAUNCHER_DEV} netns {r}")
+        _run(f"sysctl -q -w net.ipv6.conf.{IFACE}.disable_ipv6=1", check=False)
+        _run(f"ip addr add {LAUNCHER_IP}/24 dev {IFACE}")
+        _run(f"ip link set {IFACE} up")
+        _run(f"ip -n {r} addr add 198.18.0.254/24 dev {LAUNCHER_DEV}")
+        _run(f"ip -n {r} link set {LAUNCHER_DEV} up")
+        _run(f"ip route add {NETWORK} via 198.18.0.254 dev {IFACE}")
         if self.wan.needs_relay:
             for dev in (TUN_IN, TUN_OUT):
-                _run(["ip", "-n", ROUTER_NS, "tuntap", "add", "dev", dev, "mode", "tun"])
-                _run(["ip", "-n", ROUTER_NS, "link", "set", dev, "txqueuelen", "5000", "up"])
-            _run(
-                ["ip", "-n", ROUTER_NS, "route", "add", str(NETWORK), "dev", TUN_IN, "table", str(WAN_TABLE)]
-            )
+                _run(f"ip -n {r} tuntap add dev {dev} mode tun")
+                _run(f"ip -n {r} link set {dev} txqueuelen 5000 up")
+            _run(f"ip -n {r} route add {NETWORK} dev {TUN_IN} table {WAN_TABLE}")
 
     @staticmethod
     def _ns_basics(netns: str) -> None:
-        _run(["ip", "-n", netns, "link", "set", "lo", "up"])
-        _run(
-            _ns(
-                netns,
-                "sysctl",
-                "-q",
-                "-w",
-                "net.ipv6.conf.all.disable_ipv6=1",
-                "net.ipv6.conf.default.disable_ipv6=1",
-            ),
-            check=False,
-        )
+        _run(f"ip -n {netns} link set lo up")
+        ipv6_off = "net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1"
+        _run(f"ip netns exec {netns} sysctl -q -w {ipv6_off}", check=False)
 
     def _tbf(self, netns: str, dev: str) -> None:
         rate = self.wan.rate_bit
@@ -859,76 +848,28 @@ class Testbed:
         bytes_s = rate / 8
         rtt = 2 * self.wan.delay_ms / 1000
         burst = max(int(bytes_s * 0.004), 15140)  # 4 ms of data, at least 10 full frames
-        limit = max(int(bytes_s * rtt), 0) + 64 * 1514  # the bandwidth-delay product plus headroom
-        _run(["tc", "-n", netns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
-              "burst", str(burst), "limit", str(limit)])  # fmt: skip
+        limit = int(bytes_s * rtt) + 64 * 1514  # the bandwidth-delay product plus headroom
+        _run(f"tc -n {netns} qdisc add dev {dev} root tbf rate {rate}bit burst {burst} limit {limit}")
 
     def _make_site(self, site: Site) -> None:
-        ns = site.netns
-        _run(["ip", "netns", "add", ns])
+        ns, r, dev = site.netns, ROUTER_NS, site.router_dev
+        _run(f"ip netns add {ns}")
         self._ns_basics(ns)
-        _run(
-            [
-                "ip",
-                "-n",
-                ns,
-                "link",
-                "add",
-                IFACE,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                site.router_dev,
-                "netns",
-                ROUTER_NS,
-            ]
-        )
-        _run(["ip", "-n", ns, "addr", "add", f"{site.ip}/24", "dev", IFACE])
-        _run(["ip", "-n", ns, "link", "set", IFACE, "up"])
-        _run(["ip", "-n", ns, "route", "add", str(NETWORK), "via", site.gateway, "dev", IFACE])
-        _run(["ip", "-n", ROUTER_NS, "addr", "add", f"{site.gateway}/24", "dev", site.router_dev])
-        _run(["ip", "-n", ROUTER_NS, "link", "set", site.router_dev, "up"])
+        _run(f"ip -n {ns} link add {IFACE} type veth peer name {dev} netns {r}")
+        _run(f"ip -n {ns} addr add {site.ip}/24 dev {IFACE}")
+        _run(f"ip -n {ns} link set {IFACE} up")
+        _run(f"ip -n {ns} route add {NETWORK} via {site.gateway} dev {IFACE}")
+        _run(f"ip -n {r} addr add {site.gateway}/24 dev {dev}")
+        _run(f"ip -n {r} link set {dev} up")
         if self.wan.needs_relay:
             prio = 1000 + 10 * site.index
-            dev = site.router_dev
-            _run(
-                [
-                    "ip",
-                    "-n",
-                    ROUTER_NS,
-                    "rule",
-                    "add",
-                    "prio",
-                    str(prio),
-                    "iif",
-                    dev,
-                    "to",
-                    "198.18.0.0/24",
-                    "lookup",
-                    "main",
-                ]
-            )
-            _run(
-                [
-                    "ip",
-                    "-n",
-                    ROUTER_NS,
-                    "rule",
-                    "add",
-                    "prio",
-                    str(prio + 1),
-                    "iif",
-                    dev,
-                    "lookup",
-                    str(WAN_TABLE),
-                ]
-            )
+            _run(f"ip -n {r} rule add prio {prio} iif {dev} to 198.18.0.0/24 lookup main")  # to the launcher
+            _run(f"ip -n {r} rule add prio {prio + 1} iif {dev} lookup {WAN_TABLE}")  # to other sites
             # Never around the relay: if wan-in is gone, inter-site packets are dropped, not sent undelayed.
-            _run(["ip", "-n", ROUTER_NS, "rule", "add", "prio", str(prio + 2), "iif", dev, "blackhole"])
+            _run(f"ip -n {r} rule add prio {prio + 2} iif {dev} blackhole")
         if self.wan.rate_bit:
             self._tbf(ns, IFACE)
-            self._tbf(ROUTER_NS, site.router_dev)
+            self._tbf(r, dev)
         etc = Path("/etc/netns") / ns
         etc.mkdir(parents=True, exist_ok=True)
         lines = ["127.0.0.1\tlocalhost", f"{LAUNCHER_IP}\tmsite-launcher"]
@@ -937,23 +878,11 @@ class Testbed:
 
     def _start_relay(self) -> None:
         log_path = STATE_DIR / "relay.log"
-        argv = _ns(
-            ROUTER_NS,
-            sys.executable,
-            str(RELAY),
-            "--tun-in",
-            TUN_IN,
-            "--tun-out",
-            TUN_OUT,
-            "--delay-ms",
-            f"{self.wan.delay_ms}",
-            "--loss",
-            f"{self.wan.loss}",
-            "--max-seconds",
-            f"{self.state['lifetime_s']}",
-            "--stats",
-            str(STATE_DIR / "relay-stats.json"),
+        args = (
+            f"--tun-in {TUN_IN} --tun-out {TUN_OUT} --delay-ms {self.wan.delay_ms} --loss {self.wan.loss} "
+            f"--max-seconds {self.state['lifetime_s']} --stats {STATE_DIR / 'relay-stats.json'}"
         )
+        argv = _ns(ROUTER_NS, sys.executable, str(RELAY), *args.split())
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
@@ -1345,6 +1274,7 @@ __all__ = [
     "Testbed",
     "WanSpec",
     "check_host",
+    "down",
     "leftovers",
     "parse_cpu",
     "parse_sites",
