@@ -7,6 +7,8 @@ testbed and the ``testbed`` context manager removes it, so a failing test leaves
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -105,6 +107,27 @@ def test_cut_stops_traffic_and_restore_brings_it_back() -> None:
         assert time.monotonic() - t0 >= 1.9  # it timed out, it was not refused
         tb.restore("b")
         assert tcp_connects(a, b, timeout=5.0)
+    assert leftovers() == []
+
+
+@needs_host
+def test_relay_is_bounded_and_a_dead_relay_blackholes_the_wan() -> None:
+    with sites.testbed(sites="a:1,b:1", wan="20mbit:5ms", probe=False, lifetime_s=3.0) as tb:
+        a, b = tb.site("a"), tb.site("b")
+        relay = tb.state["pids"]["relay"]
+        assert tcp_connects(a, b)
+        _, status = os.waitpid(relay, 0)  # our child: it must end by itself after its lifetime
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert time.time() - tb.state["created"] < 15
+        # Without the relay, inter-site packets are dropped, never forwarded undelayed.
+        assert not tcp_connects(a, b, timeout=1.0)
+        assert tb.status()["relay_alive"] is False
+    with sites.testbed(sites="a:1,b:1", wan="20mbit:5ms", probe=False) as tb:
+        relay = tb.state["pids"]["relay"]
+        os.kill(relay, signal.SIGTERM)
+        t0 = time.monotonic()
+        _, status = os.waitpid(relay, 0)
+        assert os.waitstatus_to_exitcode(status) == 0 and time.monotonic() - t0 < 2.0
     assert leftovers() == []
 
 
