@@ -57,7 +57,6 @@ import fcntl
 import ipaddress
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -1193,8 +1192,9 @@ class Testbed:
         delay. Throughput: one TCP flow for ``seconds`` (slow start's first 0.5 s not counted),
         timed at the receiver; expected the tbf rate. TCP's payload is 1448 of every 1514 bytes
         on the wire, so goodput runs about 4.4 % under the rate: within the 10 % allowance. With
-        loss, TCP cannot fill the link (Mathis et al.: MSS/RTT x 1.22/sqrt(loss)), so then only
-        "not above the rate" is checked. ``ok`` is False when a checked value is more than 10 %
+        loss, what TCP achieves depends on its congestion control (CUBIC kept 19.2 of 20 Mbit/s at
+        0.5 % loss and 50 ms here; Reno would get far less), so then only "not above the rate" is
+        checked. ``ok`` is False when a checked value is more than 10 %
         off (0.5 ms at least for RTT); with ``check`` that raises SitesError.
         """
         if len(self.sites) < 2:
@@ -1214,6 +1214,9 @@ class Testbed:
             "expected_rtt_ms": exp_rtt,
             "mbit_s": round(flow["mbit_s"], 3),
             "expected_mbit_s": self.wan.rate_bit / 1e6 if self.wan.rate_bit else None,
+            "tcp_goodput_mbit_s": round(self.wan.rate_bit * TCP_GOODPUT / 1e6, 3)
+            if self.wan.rate_bit
+            else None,
             "flow_seconds": round(flow["seconds"], 3),
             "tolerance": TOLERANCE,
         }
@@ -1224,9 +1227,7 @@ class Testbed:
                 problems.append(f"RTT {rtt:.2f} ms, expected {exp_rtt:g} ms +- {allowed:.2f}")
         if self.wan.rate_bit:
             exp = self.wan.rate_bit / 1e6
-            if self.wan.loss > 0:
-                mathis = 1448 * 8 / (max(exp_rtt, 0.1) / 1000) * 1.22 / math.sqrt(self.wan.loss) / 1e6
-                report["expected_mbit_s_with_loss"] = round(min(exp, mathis), 3)
+            if self.wan.loss > 0:  # what TCP makes of loss depends on its congestion control
                 if flow["mbit_s"] > exp * (1 + TOLERANCE):
                     problems.append(f"throughput {flow['mbit_s']:.2f} Mbit/s above the rate {exp:g}")
             elif abs(flow["mbit_s"] - exp) > TOLERANCE * exp:
