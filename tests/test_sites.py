@@ -62,9 +62,33 @@ def test_specs_parse_and_name_what_is_wrong() -> None:
         sites.parse_cpu("c=1", {"a": 1})
 
 
+def test_without_root_or_tools_the_cli_says_what_to_do(monkeypatch, capsys) -> None:
+    from medseg.cli import main
+
+    monkeypatch.setattr(sites.os, "geteuid", lambda: 1000)
+    assert main(["sites", "up", "--sites", "a:1,b:1", "--wan", "20mbit:25ms"]) == 2
+    assert "error: the sites testbed needs root" in capsys.readouterr().err
+    monkeypatch.setattr(sites.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(sites.shutil, "which", lambda tool: None if tool == "unshare" else "/usr/bin/" + tool)
+    with pytest.raises(SitesError, match="needs unshare.*make sites-deps"):
+        sites.check_host()
+    assert main(["sites", "up", "--sites", "a:1,b:1", "--wan", "20mbit"]) == 2
+    assert "RATE:DELAY" in capsys.readouterr().err
+
+
+@needs_host
+def test_a_failure_in_the_middle_of_up_leaves_nothing(monkeypatch) -> None:
+    def broken_sshd(self, site):
+        raise SitesError(f"sshd of {site.hostname} broke on purpose")
+
+    monkeypatch.setattr(sites.Testbed, "_start_sshd", broken_sshd)
+    with pytest.raises(SitesError, match="broke on purpose"):
+        sites.Testbed.up("a:1,b:1", "20mbit:25ms", "a=0.5", probe=False)
+    assert leftovers() == []
+
+
 @needs_host
 def test_up_probe_and_down_leaves_nothing() -> None:
-    assert leftovers() == [], "a testbed is already up on this machine"
     with sites.testbed(sites="a:1,b:1", wan="20mbit:25ms", cpu="a=0.5", probe=False) as tb:
         report = tb.probe(check=True)
         assert report["ok"], report
