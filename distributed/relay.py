@@ -34,6 +34,7 @@ import os
 import random
 import select
 import signal
+import socket
 import struct
 import sys
 import time
@@ -47,7 +48,17 @@ _READ_BATCH = 256  # packets read per wake-up at most, so writes are never starv
 
 
 def open_tun(name: str) -> int:
-    """Attach to the (persistent) TUN device ``name``; returns a non-blocking file descriptor."""
+    """Attach to the persistent TUN device ``name``; returns a non-blocking file descriptor.
+
+    The device must exist already (made by ``ip tuntap add``): TUNSETIFF would otherwise create a
+    new one, in whatever namespace this process happens to be in.
+    """
+    try:
+        socket.if_nametoindex(name)
+    except OSError:
+        raise SystemExit(
+            f"relay: no network device {name!r} in this namespace; create it with `ip tuntap add`"
+        ) from None
     fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
     try:
         fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TUN | IFF_NO_PI))
