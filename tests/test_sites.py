@@ -198,9 +198,10 @@ def test_horovod_job_runs_through_ssh_in_both_sites(tmp_path: Path) -> None:
         proc = subprocess.run(
             tb.launcher_prefix() + argv, env=env, capture_output=True, text=True, timeout=420, cwd=ROOT
         )
-        if proc.returncode != 0:
-            (tmp_path / "job.log").write_text(proc.stdout + proc.stderr)
-        assert proc.returncode == 0, f"see {tmp_path / 'job.log'}: " + proc.stdout[-3000:] + proc.stderr[-3000:]
+        (tmp_path / "job.log").write_text(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, (
+            f"see {tmp_path / 'job.log'}: " + proc.stdout[-3000:] + proc.stderr[-3000:]
+        )
         counters = tb.wan_counters()
         logs = {s.name: (s.dir / "sshd.log").read_text() for s in tb.sites}
     runs = list((tmp_path / "runs").iterdir())
