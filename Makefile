@@ -7,7 +7,7 @@ MEDSEG := $(BIN)/medseg
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.medseg-setup
 
-.PHONY: setup demo test bench lint app browser
+.PHONY: setup demo test bench lint app browser sites-deps
 
 setup: $(STAMP)
 
@@ -38,7 +38,7 @@ demo: setup
 	$(MEDSEG) evaluate --run runs/demo-cls --data data/synth-cls-holdout
 	$(BIN)/python scripts/demo_report.py
 
-test: setup browser
+test: setup browser sites-deps
 	$(BIN)/python -m pytest -q tests
 
 # The viewer on http://localhost:8501 (RUNS=dir, PORT=n to change).
@@ -50,6 +50,14 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 browser:
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	  ($(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver)
+
+# Debian's sshd, iproute2 (ip, tc) and util-linux (unshare, nsenter) for the emulated hospital
+# network (`medseg sites`, tests/test_sites.py); installed only when missing.
+sites-deps:
+	test -x /usr/sbin/sshd && command -v ssh >/dev/null && command -v ip >/dev/null && command -v tc >/dev/null && \
+	  command -v unshare >/dev/null && command -v nsenter >/dev/null || \
+	  ($(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
+	    openssh-server openssh-client iproute2 util-linux)
 
 # Writes docs/benchmarks.md's comm and memory sections and their PNGs (about 10 minutes with QUICK=1).
 bench: setup

@@ -162,6 +162,37 @@ def _bench_memory(args: argparse.Namespace) -> None:
     print(f"wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
 
 
+def _sites(args: argparse.Namespace) -> None:
+    from medseg.distributed.sites import Testbed
+
+    if args.sites_command == "up":
+        tb = Testbed.up(args.sites, args.wan, args.cpu, probe=False, lifetime_s=args.lifetime, owned=False)
+        if not args.no_probe:
+            try:
+                report = tb.probe(check=True)
+            except MedsegError:
+                tb.down()
+                raise
+            print(json.dumps(report, indent=1))
+        print(json.dumps(tb.status(), indent=1))
+        print(
+            f"testbed up: medseg train --config C --np {sum(s.ranks for s in tb.sites)} --hosts {tb.hosts_arg()}"
+        )
+        print(
+            f"with PATH={tb.bin_dir}:$PATH MEDSEG_HOROVODRUN_ARGS='{tb.launcher_env()['MEDSEG_HOROVODRUN_ARGS']}'"
+        )
+    elif args.sites_command == "status":
+        print(json.dumps(Testbed.current().status(), indent=1))
+    elif args.sites_command == "probe":
+        report = Testbed.current().probe(check=not args.report_only, seconds=args.seconds)
+        print(json.dumps(report, indent=1))
+    else:
+        from medseg.distributed.sites import down
+
+        removed = down()
+        print("removed: " + ("; ".join(removed) if removed else "nothing"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="medseg", description="MONAI 3D segmentation and classification: data, training, inference."
@@ -269,6 +300,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--verify", action="store_true", help="measure each variant at its predicted largest patch"
     )
     s.set_defaults(func=_bench_memory)
+
+    sites = sub.add_parser(
+        "sites",
+        help="emulated hospital network on this machine (root): namespaces, shaped WAN, sshd per site",
+    ).add_subparsers(dest="sites_command", required=True)
+    s = sites.add_parser("up", help="make the testbed (replacing a crashed one) and probe its WAN")
+    s.add_argument("--sites", required=True, help="NAME:RANKS,... e.g. a:2,b:2")
+    s.add_argument(
+        "--wan", default="none", help="RATE:DELAY[:LOSS] between sites, e.g. 20mbit:25ms:0.1%%, or none"
+    )
+    s.add_argument("--cpu", help="SITE=CORES per rank, e.g. a=0.5,b=0.25 (cgroup CPU quota; optional)")
+    s.add_argument("--no-probe", action="store_true", help="skip the RTT and throughput check")
+    s.add_argument("--lifetime", type=float, default=4 * 3600, help="seconds the WAN relay lives at most")
+    s.set_defaults(func=_sites)
+    s = sites.add_parser("status", help="print the testbed's sites, WAN and processes as JSON")
+    s.set_defaults(func=_sites)
+    s = sites.add_parser("probe", help="measure RTT and throughput between two sites against the spec")
+    s.add_argument("--report-only", action="store_true", help="print the report; exit 0 even when off spec")
+    s.add_argument("--seconds", type=float, default=3.0, help="length of the throughput flow")
+    s.set_defaults(func=_sites)
+    s = sites.add_parser(
+        "down",
+        help="remove every namespace, link, cgroup, process and file of the testbed (also half-made ones)",
+    )
+    s.set_defaults(func=_sites)
 
     s = sub.add_parser("app", help="start the Streamlit viewer on localhost")
     s.add_argument(

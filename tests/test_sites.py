@@ -1,0 +1,218 @@
+"""The emulated hospital network: real namespaces, real TCP through the shaped WAN, real sshd.
+
+Everything but the spec parsing needs root, iproute2, util-linux and Debian's openssh-server
+(``make sites-deps``); without them the tests skip with the reason. Each test makes its own
+testbed and the ``testbed`` context manager removes it, so a failing test leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from medseg.distributed import sites
+from medseg.distributed.sites import SitesError, WanSpec, leftovers, tcp_connects
+
+from .conftest import tiny_seg_config
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _host_problem() -> str | None:
+    try:
+        sites.check_host(cpu=True)
+    except SitesError as exc:
+        return str(exc)
+    return None
+
+
+needs_host = pytest.mark.skipif(
+    _host_problem() is not None, reason=f"no sites testbed here: {_host_problem()}"
+)
+
+
+def test_specs_parse_and_name_what_is_wrong() -> None:
+    assert sites.parse_wan("20mbit:25ms") == WanSpec(20_000_000, 25.0, 0.0)
+    assert sites.parse_wan("1gbit:500us:0.1%") == WanSpec(10**9, 0.5, 0.001)
+    assert sites.parse_wan("none") == WanSpec(None, 0.0, 0.0)
+    assert str(sites.parse_wan("20mbit:25ms:1%")) == "20mbit:25ms:1%"
+    assert sites.parse_sites("a:2,b:1") == {"a": 2, "b": 1}
+    assert sites.parse_cpu("a=0.5", {"a": 2, "b": 1}) == {"a": 0.5}
+    for bad, where in (
+        ("20mbit", "RATE:DELAY"),
+        ("20mbps2:1ms", "rate"),
+        ("20mbit:25", "delay"),
+        ("1mbit:1ms:5", "loss"),
+    ):
+        with pytest.raises(SitesError, match=where):
+            sites.parse_wan(bad)
+    with pytest.raises(SitesError, match="NAME:RANKS"):
+        sites.parse_sites("a2")
+    with pytest.raises(SitesError, match="named twice"):
+        sites.parse_sites("a:1,a:1")
+    with pytest.raises(SitesError, match="not one of the sites"):
+        sites.parse_cpu("c=1", {"a": 1})
+
+
+def test_without_root_or_tools_the_cli_says_what_to_do(monkeypatch, capsys) -> None:
+    from medseg.cli import main
+
+    monkeypatch.setattr(sites.os, "geteuid", lambda: 1000)
+    assert main(["sites", "up", "--sites", "a:1,b:1", "--wan", "20mbit:25ms"]) == 2
+    assert "error: the sites testbed needs root" in capsys.readouterr().err
+    monkeypatch.setattr(sites.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(sites.shutil, "which", lambda tool: None if tool == "unshare" else "/usr/bin/" + tool)
+    with pytest.raises(SitesError, match="needs unshare.*make sites-deps"):
+        sites.check_host()
+    assert main(["sites", "up", "--sites", "a:1,b:1", "--wan", "20mbit"]) == 2
+    assert "RATE:DELAY" in capsys.readouterr().err
+
+
+@needs_host
+def test_a_failure_in_the_middle_of_up_leaves_nothing(monkeypatch) -> None:
+    def broken_sshd(self, site):
+        raise SitesError(f"sshd of {site.hostname} broke on purpose")
+
+    monkeypatch.setattr(sites.Testbed, "_start_sshd", broken_sshd)
+    with pytest.raises(SitesError, match="broke on purpose"):
+        sites.Testbed.up("a:1,b:1", "20mbit:25ms", "a=0.5", probe=False)
+    assert leftovers() == []
+
+
+@needs_host
+def test_up_probe_and_down_leaves_nothing() -> None:
+    with sites.testbed(sites="a:1,b:1", wan="20mbit:25ms", cpu="a=0.5", probe=False) as tb:
+        report = tb.probe(check=True)
+        assert report["ok"], report
+        assert abs(report["rtt_ms"] - 50.0) <= 5.0
+        assert 18.0 <= report["mbit_s"] <= 22.0
+        # The probe really compares: the same link checked against a wrong spec must fail.
+        tb.wan = WanSpec(40_000_000, 10.0, 0.0)
+        with pytest.raises(SitesError, match="does not measure as specified"):
+            tb.probe(check=True, seconds=1.5)
+        tb.wan = WanSpec(20_000_000, 25.0, 0.0)
+        # Each site is a host: its own hostname, names of all sites, no route out, its CPU quota.
+        out = tb.exec_in(
+            "a", ["sh", "-c", "hostname; getent hosts site-b; ip -4 route; cat /proc/self/cgroup"]
+        )
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0] == "site-a"
+        assert lines[1].split() == ["198.18.2.1", "site-b"]
+        assert "default" not in out.stdout and "198.18.0.0/15 via 198.18.1.254" in out.stdout
+        assert any(line.endswith(":/medseg-sites/a") for line in lines if ":cpu" in line)
+        cg = Path("/sys/fs/cgroup/cpu/medseg-sites")
+        assert int((cg / "a" / "cpu.cfs_quota_us").read_text()) == sites.CFS_PERIOD_US // 2
+        assert int((cg / "b" / "cpu.cfs_quota_us").read_text()) == -1
+        counters = tb.wan_counters()
+        assert counters["bytes"] > 5_000_000  # the probe's flow crossed the WAN relay
+        assert set(tb.status()["sites"][0]) >= {"ip", "hostname", "sshd_alive"}
+        assert all(s["sshd_alive"] for s in tb.status()["sites"])
+    assert leftovers() == []
+
+
+@needs_host
+def test_cut_stops_traffic_and_restore_brings_it_back() -> None:
+    with sites.testbed(sites="a:1,b:1", wan="20mbit:5ms", probe=False) as tb:
+        a, b = tb.site("a"), tb.site("b")
+        assert tcp_connects(a, b)
+        tb.cut("b")
+        assert tb.status()["sites"][1]["link_up"] is False
+        t0 = time.monotonic()
+        assert not tcp_connects(a, b, timeout=2.0)
+        assert time.monotonic() - t0 >= 1.9  # it timed out, it was not refused
+        tb.restore("b")
+        assert tcp_connects(a, b, timeout=5.0)
+    assert leftovers() == []
+
+
+@needs_host
+def test_relay_is_bounded_and_a_dead_relay_blackholes_the_wan() -> None:
+    with sites.testbed(sites="a:1,b:1", wan="20mbit:5ms", probe=False, lifetime_s=3.0) as tb:
+        a, b = tb.site("a"), tb.site("b")
+        relay = tb.state["pids"]["relay"]
+        assert tcp_connects(a, b)
+        _, status = os.waitpid(relay, 0)  # our child: it must end by itself after its lifetime
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert time.time() - tb.state["created"] < 15
+        # Without the relay, inter-site packets are dropped, never forwarded undelayed.
+        assert not tcp_connects(a, b, timeout=1.0)
+        assert tb.status()["relay_alive"] is False
+    with sites.testbed(sites="a:1,b:1", wan="20mbit:5ms", probe=False) as tb:
+        relay = tb.state["pids"]["relay"]
+        os.kill(relay, signal.SIGTERM)
+        t0 = time.monotonic()
+        _, status = os.waitpid(relay, 0)
+        assert os.waitstatus_to_exitcode(status) == 0 and time.monotonic() - t0 < 2.0
+    assert leftovers() == []
+
+
+@needs_host
+def test_up_replaces_a_crashed_testbed_and_refuses_a_live_one() -> None:
+    crashed = sites.Testbed.up("a:1,b:1", "none", probe=False, owned=False)  # as if its maker had died
+    _run_ok(["ip", "netns", "add", "msite-junk"])  # and a half-made extra from a failed `up`
+    with sites.testbed(sites="x:1,y:1", wan="none", probe=False) as tb:
+        assert sorted(n for n in sites._our_namespaces()) == ["msite-router", "msite-x", "msite-y"]
+        assert tcp_connects(tb.site("x"), tb.site("y"))
+        holder = subprocess.Popen(["sleep", "30"])
+        try:
+            tb.state["owner_pid"] = holder.pid  # a testbed owned by another live process
+            tb._save()
+            with pytest.raises(SitesError, match=f"process {holder.pid}"):
+                sites.Testbed.up("z:1", "none", probe=False)
+        finally:
+            holder.kill()
+            holder.wait()
+    assert crashed.site_ip("a") == "198.18.1.1"  # its namespaces were swept above
+    assert leftovers() == []
+
+
+def _run_ok(argv: list[str]) -> None:
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+@needs_host
+def test_horovod_job_runs_through_ssh_in_both_sites(tmp_path: Path) -> None:
+    pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup` (scripts/build_horovod.sh)")
+    from medseg.datasets.synthetic import make_seg_dataset
+
+    data = make_seg_dataset(tmp_path / "seg", n_train=8, n_test=0, seed=5, size=32)
+    cfg = tiny_seg_config(
+        data, tmp_path / "runs", name="sites", epochs=2, batch_size=1, threads=1, scheduler="none"
+    ).to_dict()
+    cfg["dist"].update({"sync": "bsp", "timeout_s": 120})
+    config = tmp_path / "sites.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    with sites.testbed(sites="a:2,b:2", wan="50mbit:5ms", probe=False) as tb:
+        env = tb.launcher_env()
+        env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "180")  # 4 ranks importing torch on 2 busy cores
+        argv = [str(BIN / "medseg"), "train", "--config", str(config), "--np", "4", "--hosts", tb.hosts_arg()]
+        proc = subprocess.run(
+            tb.launcher_prefix() + argv, env=env, capture_output=True, text=True, timeout=420, cwd=ROOT
+        )
+        (tmp_path / "job.log").write_text(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, (
+            f"see {tmp_path / 'job.log'}: " + proc.stdout[-3000:] + proc.stderr[-3000:]
+        )
+        counters = tb.wan_counters()
+        logs = {s.name: (s.dir / "sshd.log").read_text() for s in tb.sites}
+    runs = list((tmp_path / "runs").iterdir())
+    assert [r.name for r in runs] == ["sites"]
+    assert (runs[0] / "metrics.jsonl").stat().st_size > 0
+    assert (runs[0] / "bundle").is_dir()
+    # Ranks really ran in both sites: each sshd took the launcher's key, and gradients crossed the WAN.
+    for name, text in logs.items():
+        assert "Accepted publickey for root from 198.18.0.1" in text, (
+            f"no ssh login at site {name}: {text[-500:]}"
+        )
+    assert counters["bytes"] > 100_000, counters
+    assert all(link["sent_bytes"] > 0 for link in counters["links"].values()), counters
+    assert leftovers() == []
