@@ -21,7 +21,9 @@ The launcher's watchdog (:func:`Watchdog.verdict`) stops the job and names a ran
    waiting for it.
 
 A rank that is loading, profiling, validating or saving is never "hung" by rule 2: those phases
-can take long, and while one rank is in them the others legitimately wait.
+can take long, and while one rank is in them the others legitimately wait. They are bounded all
+the same (3. a rank in one such phase for ``long_phase_s`` = max(1800 s, 10 x ``timeout_s``) is
+named), so a deadlock there ends the job instead of holding the machines forever.
 """
 
 from __future__ import annotations
@@ -156,6 +158,10 @@ class Watchdog:
     timeout_s: float
     started: float = field(default_factory=time.time)
 
+    @property
+    def long_phase_s(self) -> float:
+        return max(1800.0, 10 * self.timeout_s)
+
     def verdict(self, states: dict[int, RankState], now: float | None = None) -> str | None:
         now = time.time() if now is None else now
         grace = max(self.timeout_s, START_GRACE_S)
@@ -169,6 +175,12 @@ class Watchdog:
                 return (
                     f"{describe(r, st)} stopped responding (nothing heard for {now - st.last_seen:.0f} s, "
                     f"last in phase {st.phase!r})"
+                )
+        for r, st in states.items():
+            if st.phase not in ("train", "wait", "start") and now - st.phase_since > self.long_phase_s:
+                return (
+                    f"{describe(r, st)} has been in phase {st.phase!r} for {now - st.phase_since:.0f} s "
+                    f"(limit {self.long_phase_s:.0f} s)"
                 )
         if len(states) == self.np_ and all(s.phase in ("train", "wait") for s in states.values()):
             progress = {r: max(s.last_step, s.phase_since) for r, s in states.items()}

@@ -73,3 +73,10 @@ def test_max_lead_rounds_from_timestamps() -> None:
     # at t = 4.1 the fast group has completed 4 rounds, the slow one 1: a lead of 3
     assert max_lead_rounds({0: fast, 2: slow}) == 3
     assert max_lead_rounds({0: fast}) is None  # one group: nothing to lead
+
+
+def test_watchdog_bounds_a_long_phase() -> None:
+    dog = Watchdog(np_=2, timeout_s=20.0, started=0.0)
+    states = {0: _state("validate", 5000.0, since=10.0), 1: _state("wait", 5000.0, since=10.0)}
+    assert dog.verdict(states, now=1000.0) is None
+    assert "phase 'validate'" in (dog.verdict(states, now=5000.0) or "")
