@@ -59,9 +59,9 @@ sites-deps:
 	  ($(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
 	    openssh-server openssh-client iproute2 util-linux)
 
-# Writes docs/benchmarks.md's comm and memory sections and their PNGs (about 10 minutes with QUICK=1).
+# Writes docs/benchmarks.md's sites and memory sections and their PNGs (about 10 minutes with QUICK=1).
 bench: setup
-	$(MEDSEG) bench comm $(if $(QUICK),--quick) --json docs/bench-comm.json --markdown docs/benchmarks.md
+	$(MEDSEG) bench sites $(if $(QUICK),--quick) --json docs/bench-sites.json --markdown docs/benchmarks.md
 	$(MEDSEG) bench memory $(if $(QUICK),--quick) --json docs/bench-memory.json --markdown docs/benchmarks.md
 
 lint: setup

@@ -118,17 +118,6 @@ def _app(args: argparse.Namespace) -> None:
     serve(args.runs or [Path("runs")], args.port)
 
 
-def _bench_comm(args: argparse.Namespace) -> None:
-    from medseg.distributed.bench import bench_comm, check_targets, format_table, write_report
-
-    result = bench_comm(args.workdir, quick=args.quick)
-    write_report(result, args.json, args.markdown)
-    print(format_table(result))
-    for name, ok in check_targets(result):
-        print(f"{'met   ' if ok else 'MISSED'} {name}")
-    print(f"wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
-
-
 def _bench_sites(args: argparse.Namespace) -> None:
     from medseg.distributed.bench_sites import bench_sites, check_targets, format_table, write_report
 
@@ -248,16 +237,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_train)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    s = bench.add_parser("comm", help="synchronisation modes vs plain Horovod, 4 ranks, one 2x straggler")
-    s.add_argument("--quick", action="store_true", help="fewer cases and epochs (about 5 minutes on 2 cores)")
-    s.add_argument("--json", type=Path, required=True, help="write the results here")
-    s.add_argument(
-        "--markdown", type=Path, help="update this markdown file's comm section (e.g. docs/benchmarks.md)"
-    )
-    s.add_argument(
-        "--workdir", type=Path, default=Path("runs/bench-comm"), help="data and runs of the benchmark"
-    )
-    s.set_defaults(func=_bench_comm)
     s = bench.add_parser(
         "sites", help="sync modes between emulated hospitals (network namespaces, shaped WAN), root only"
     )

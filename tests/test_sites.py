@@ -216,3 +216,63 @@ def test_horovod_job_runs_through_ssh_in_both_sites(tmp_path: Path) -> None:
     assert counters["bytes"] > 100_000, counters
     assert all(link["sent_bytes"] > 0 for link in counters["links"].values()), counters
     assert leftovers() == []
+
+
+@needs_host
+def test_a_cut_site_stops_the_job_naming_it_and_resume_continues(tmp_path: Path) -> None:
+    """Site b's link is cut mid-run: within dist.timeout_s (+ slack) the launcher stops the job, names
+    the rank and its site, exits 2 with the checkpoint intact; with the link back, --resume continues."""
+    pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup` (scripts/build_horovod.sh)")
+    from medseg.checkpoint import load_checkpoint
+    from medseg.datasets.synthetic import make_seg_dataset
+    from medseg.runlog import read_metrics
+
+    data = make_seg_dataset(tmp_path / "seg", n_train=8, n_test=0, seed=5, size=32)
+    cfg = tiny_seg_config(
+        data, tmp_path / "runs", name="cut", epochs=40, batch_size=1, threads=1, scheduler="none"
+    ).to_dict()
+    cfg["dist"].update({"sync": "gssp", "staleness": 1, "timeout_s": 20, "profile_steps": 2})
+    config = tmp_path / "cut.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    last = tmp_path / "runs" / "cut" / "checkpoints" / "last.pt"
+    with sites.testbed(sites="a:1,b:1", wan="50mbit:5ms", probe=False) as tb:
+        env = tb.launcher_env()
+        argv = [str(BIN / "medseg"), "train", "--config", str(config), "--np", "2", "--hosts", tb.hosts_arg()]
+        job = subprocess.Popen(
+            tb.launcher_prefix() + argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        try:
+            deadline = time.time() + 300
+            while not last.exists():
+                assert job.poll() is None and time.time() < deadline, "no checkpoint appeared"
+                time.sleep(0.5)
+            tb.cut("b")
+            tic = time.time()
+            out, err = job.communicate(timeout=180)
+            took = time.time() - tic
+        finally:
+            if job.poll() is None:
+                job.kill()
+        (tmp_path / "job.log").write_text(out + err)
+        assert job.returncode == 2, err[-3000:]
+        message = err.split("error:")[-1]
+        assert "rank 1" in message and "site-b" in message and "Traceback" not in message, message
+        assert took < 20 + 60, took
+        epoch = load_checkpoint(last)["epoch"]
+        tb.restore("b")
+        proc = subprocess.run(
+            tb.launcher_prefix() + argv + ["--resume", f"train.epochs={epoch + 1}"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert read_metrics(tmp_path / "runs" / "cut" / "metrics.jsonl")[-1]["epoch"] == epoch + 1
+    assert leftovers() == []
