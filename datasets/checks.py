@@ -134,18 +134,27 @@ def prepare_output_file(
 
 
 def prepare_output_dir(
-    out_dir: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str]] = (), what: str = "output"
+    out_dir: str | os.PathLike[str],
+    inputs: Sequence[str | os.PathLike[str]] = (),
+    what: str = "output",
+    create: bool = True,
 ) -> Path:
-    """Check an output folder path against the inputs and create it."""
+    """Check an output folder path against the inputs and create it (``create=False``: check only)."""
     out = Path(out_dir)
     for src in map(Path, inputs):
-        if _same(out, src) or out.resolve() == src.resolve() or _inside(src, out) and src.is_file():
-            raise DataError(f"{out}: holds or is the input {src}; write the {what} to another folder")
+        if _same(out, src) or out.resolve() == src.resolve():
+            raise DataError(f"{out}: is the input {src}; write the {what} to another folder")
     if out.exists() and not out.is_dir():
         raise DataError(
             f"{out}: is an existing file, but a folder is needed for the {what}; choose a folder path"
         )
-    _make_folder(out, what)
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise DataError(f"{parent}: is a file, so the {what} folder {out} cannot be created there")
+        if parent.is_dir():
+            break
+    if create:
+        _make_folder(out, what)
     return out
 
 

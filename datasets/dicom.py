@@ -35,7 +35,7 @@ from pydicom.uid import (
 )
 from pydicom.valuerep import format_number_as_ds
 
-from medseg.datasets.checks import check_memory
+from medseg.datasets.checks import check_input_path, check_memory, prepare_output_dir, prepare_output_file
 from medseg.datasets.nifti import save_nifti
 from medseg.errors import DataError
 
@@ -125,7 +125,7 @@ def write_dicom_series(
     if abs(float(np.cross(row_dir, col_dir) @ lps[:3, 2])) < 1e-6 * sp_k:
         raise DataError(f"the affine for {out_dir} puts the k axis inside the slice plane")
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(out_dir, what="DICOM series")
     old = [p for p in out_dir.iterdir() if p.is_file() and p.suffix.lower() == ".dcm"]
     if old and not overwrite:
         raise DataError(
@@ -263,7 +263,7 @@ class FolderScan:
 
 def scan_folder(folder: str | Path) -> FolderScan:
     """List the image series under ``folder`` (recursively, headers only), and the files skipped."""
-    folder = Path(folder)
+    folder = check_input_path(folder, "DICOM folder")
     if not folder.is_dir():
         raise DataError(f"{folder} is not a folder; give the folder that holds the DICOM series")
     found: dict[str, SeriesInfo] = {}
@@ -661,9 +661,7 @@ def dicom_to_nifti(
     dicom_dir: str | Path, out_path: str | Path, *, series_uid: str | None = None, resample: bool = False
 ) -> Path:
     """Convert one DICOM series to NIfTI (sform and qform = the RAS affine, code 1), written atomically."""
-    out_path = Path(out_path)
-    if not out_path.name.endswith((".nii", ".nii.gz")):
-        raise DataError(f"{out_path} must end with .nii or .nii.gz")
+    out_path = prepare_output_file(out_path, [dicom_dir], (".nii", ".nii.gz"), "NIfTI output", create=False)
     volume, affine, _ = read_dicom_series(dicom_dir, series_uid=series_uid, resample=resample)
     save_nifti(volume, affine, out_path)
     logger.info("converted DICOM series in %s to %s", dicom_dir, out_path)

@@ -39,9 +39,11 @@ def _data_convert(args: argparse.Namespace) -> None:
 
 
 def _data_to_dicom(args: argparse.Namespace) -> None:
+    from medseg.datasets.checks import prepare_output_dir
     from medseg.datasets.dicom import write_dicom_series
     from medseg.infer import load_image
 
+    prepare_output_dir(args.out_dir, [args.nifti], create=False)
     image = load_image(args.nifti)
     if image.shape[0] != 1:
         raise MedsegError(f"{args.nifti}: has {image.shape[0]} channels; a DICOM series holds one")
@@ -281,15 +283,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _OwnMessages(logging.Filter):
+    """Keep third-party warnings (MONAI's nvImageCodec notices, deprecations) off the user's terminal.
+
+    medseg's own records and any ERROR pass; the rest are shown with ``-v``.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.startswith("medseg") or record.levelno >= logging.ERROR
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    if not args.verbose:
+        handler.addFilter(_OwnMessages())
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
+    logging.captureWarnings(True)  # warnings.warn from libraries becomes a 'py.warnings' log record
     for noisy in ("monai", "matplotlib", "PIL"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+        logging.getLogger(noisy).setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         args.func(args)
     except MedsegError as exc:

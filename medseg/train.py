@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +117,7 @@ def train(
             f"{run_dir}: already holds a run; pass --resume to continue it, or name=<new name> to start another"
         )
 
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     session = open_session(cfg, straggler)
     handler = _attach_log_file(run_dir) if session.is_chief else None
@@ -128,6 +130,9 @@ def train(
             logging.getLogger("medseg").removeHandler(handler)
             handler.close()
         session.close()
+        if created and session.is_chief and not last_path.exists():
+            # stopped before its first checkpoint (bad data or config): leave no half-made run folder
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _train(
