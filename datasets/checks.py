@@ -82,6 +82,14 @@ def check_input_path(
     return p
 
 
+def _resolve(p: Path) -> Path:
+    """``p.resolve()``, or the absolute path when a link loops (the loop is reported where it is read)."""
+    try:
+        return p.resolve()
+    except (OSError, RuntimeError):
+        return Path(os.path.abspath(p))
+
+
 def _same(a: Path, b: Path) -> bool:
     try:
         return a.exists() and b.exists() and os.path.samefile(a, b)
@@ -91,7 +99,7 @@ def _same(a: Path, b: Path) -> bool:
 
 def _inside(child: Path, folder: Path) -> bool:
     try:
-        return folder.is_dir() and child.resolve().is_relative_to(folder.resolve())
+        return folder.is_dir() and _resolve(child).is_relative_to(_resolve(folder))
     except OSError:
         return False
 
@@ -111,7 +119,7 @@ def prepare_output_file(
     """
     out = Path(output)
     for src in map(Path, inputs):
-        if _same(out, src) or out.resolve() == src.resolve():
+        if _same(out, src) or _resolve(out) == _resolve(src):
             raise DataError(
                 f"{out}: is the input {src}; writing there would destroy it. Choose another output file"
             )
@@ -142,7 +150,7 @@ def prepare_output_dir(
     """Check an output folder path against the inputs and create it (``create=False``: check only)."""
     out = Path(out_dir)
     for src in map(Path, inputs):
-        if _same(out, src) or out.resolve() == src.resolve():
+        if _same(out, src) or _resolve(out) == _resolve(src):
             raise DataError(f"{out}: is the input {src}; write the {what} to another folder")
     if out.exists() and not out.is_dir():
         raise DataError(
@@ -247,9 +255,25 @@ def _corner_distance(a: np.ndarray, b: np.ndarray, shape: Sequence[int]) -> floa
     return float(np.max(np.linalg.norm((corners @ a.T - corners @ b.T)[:, :3], axis=1)))
 
 
-def nifti_affine(img: Any, name: str) -> np.ndarray:
-    """The affine medseg uses for a NIfTI image, following the policy in this module's docstring."""
-    hdr = img.header
+def _raw_header(img: Any, path: str | os.PathLike[str] | None) -> Any:
+    """The header as stored: nibabel's loader quietly repairs some fields (0 pixdim -> 1, bad codes -> 0)."""
+    if path is None:
+        return img.header
+    from nibabel.openers import ImageOpener
+
+    try:
+        with ImageOpener(str(path)) as f:
+            return type(img.header).from_fileobj(f, check=False)
+    except Exception:  # noqa: BLE001 - the repaired header is still better than none
+        return img.header
+
+
+def nifti_affine(img: Any, name: str, path: str | os.PathLike[str] | None = None) -> np.ndarray:
+    """The affine medseg uses for a NIfTI image, following the policy in this module's docstring.
+
+    ``path`` lets the header be read as stored, before nibabel's repairs.
+    """
+    hdr = _raw_header(img, path)
     shape = tuple(int(s) for s in img.shape[:3]) + (1,) * max(0, 3 - len(img.shape))
     if not hasattr(hdr, "get_sform"):  # not NIfTI (e.g. ANALYZE): nibabel builds the affine from pixdim
         affine = np.asarray(img.affine, dtype=np.float64)
@@ -264,6 +288,16 @@ def nifti_affine(img: Any, name: str) -> np.ndarray:
         )
     sform, scode = hdr.get_sform(coded=True)
     qform, qcode = hdr.get_qform(coded=True)
+    if scode not in (0, 1, 2, 3, 4, 5) or qcode not in (0, 1, 2, 3, 4, 5):
+        raise DataError(
+            f"{name}: the header's sform/qform codes ({int(scode)}, {int(qcode)}) are not NIfTI codes (0-5); "
+            "the header is corrupt, re-export the image"
+        )
+    if scode <= 0 and qcode > 0 and np.any(pixdim < 0):
+        raise DataError(
+            f"{name}: the qform's voxel size (pixdim) {pixdim.tolist()} is negative, which readers flip in "
+            "different ways; re-export the image with positive voxel sizes"
+        )
     if scode > 0 and not _is_valid_affine(sform):
         raise DataError(
             f"{name}: the sform (code {int(scode)}) is singular or not finite ({np.round(sform, 4).tolist()}); "
@@ -303,7 +337,7 @@ def _check_nifti_size(img: Any, path: Path, name: str) -> None:
     itemsize = int(hdr.get_data_dtype().itemsize)
     claimed = n_voxels * itemsize
     size = path.stat().st_size
-    offset = int(hdr.get_data_offset()) if hasattr(hdr, "get_data_offset") else 0
+    offset = int(getattr(img.dataobj, "offset", 0) or 0)
     if path.name.endswith(".gz"):
         if claimed > (size + 1024) * MAX_DEFLATE_RATIO:
             raise DataError(
@@ -344,7 +378,7 @@ def open_nifti(path: str | os.PathLike[str], name: str | None = None) -> tuple[A
             f"{name}: cannot be read as NIfTI ({type(exc).__name__}: {exc}); the file is corrupt, re-export it"
         ) from None
     _check_nifti_size(img, p, name)
-    return img, nifti_affine(img, name)
+    return img, nifti_affine(img, name, p)
 
 
 # ------------------------------------------------------------------------------ labels, geometry

@@ -22,6 +22,7 @@ from medseg.bundle import export_bundle
 from medseg.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from medseg.config import Config, config_from_dict, diff_configs, save_config
 from medseg.data import make_train_data, seed_epoch, share_loader
+from medseg.datasets.checks import prepare_output_dir
 from medseg.distributed import LocalSession, open_session
 from medseg.errors import ConfigError, RunError
 from medseg.models import build_network, network_def
@@ -118,7 +119,7 @@ def train(
         )
 
     created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(run_dir, what="run folder")  # a clear error when a file stands in the way
     session = open_session(cfg, straggler)
     handler = _attach_log_file(run_dir) if session.is_chief else None
     try:
