@@ -39,11 +39,15 @@ def _data_convert(args: argparse.Namespace) -> None:
 
 
 def _data_to_dicom(args: argparse.Namespace) -> None:
-    from medseg.datasets.checks import prepare_output_dir
+    from medseg.datasets.checks import open_nifti, prepare_output_dir
+
+    prepare_output_dir(args.out_dir, [args.nifti], create=False)
+    if Path(args.nifti).is_file():
+        open_nifti(args.nifti)  # header checks before torch and MONAI are even imported (seconds)
+
     from medseg.datasets.dicom import write_dicom_series
     from medseg.infer import load_image
 
-    prepare_output_dir(args.out_dir, [args.nifti], create=False)
     image = load_image(args.nifti)
     if image.shape[0] != 1:
         raise MedsegError(f"{args.nifti}: has {image.shape[0]} channels; a DICOM series holds one")
@@ -108,6 +112,11 @@ def _evaluate(args: argparse.Namespace) -> None:
 
 
 def _infer(args: argparse.Namespace) -> None:
+    from medseg.datasets.checks import NIFTI_SUFFIXES, open_nifti
+
+    if Path(args.input).is_file() and str(args.input).endswith(NIFTI_SUFFIXES):
+        open_nifti(args.input)  # header checks before torch and MONAI are even imported (seconds)
+
     from medseg.infer import infer_to_file
 
     out = infer_to_file(args.run, args.input, args.output, series_uid=args.series, resample=args.resample)

@@ -147,8 +147,8 @@ def infer_to_file(
     resample: bool = False,
 ) -> Path:
     """``medseg infer``: a NIfTI label map (segmentation) or a JSON of class probabilities (classification)."""
-    checks.prepare_output_file(output, [source], create=False)  # before the model is even loaded
     bundle, output = load_bundle(run), Path(output)
+    checks.prepare_output_file(output, [source], create=False)  # before the input is read
     if bundle.task == "classification" and output.suffix != ".json":
         raise DataError(
             f"{output}: a classification model writes class probabilities; name the output *.json"

@@ -245,7 +245,7 @@ def _bad_uploads(seg_case: Path, tmp_path: Path, image) -> list[tuple[str, list[
         patient_id="X",
     )
     return [
-        ("not an image", [("scan.nii.gz", b"this is not a NIfTI file\n" * 40)], "could not be loaded"),
+        ("not an image", [("scan.nii.gz", b"this is not a NIfTI file\n" * 40)], "cannot be read as NIfTI"),
         ("truncated", [("scan.nii.gz", good[: len(good) // 2])], "could not be loaded"),
         ("2D", [("slice.nii.gz", _nifti(np.zeros((32, 32, 1), np.float32)))], "2D"),
         ("2D array", [("plain.nii.gz", _nifti(np.zeros((32, 32), np.float32)))], "3D volume"),
