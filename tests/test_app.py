@@ -252,7 +252,7 @@ def _bad_uploads(seg_case: Path, tmp_path: Path, image) -> list[tuple[str, list[
         ("text file", [("notes.txt", b"hello")], "not a NIfTI file"),
         ("empty zip", [("empty.zip", dicom_zip({}))], "holds no DICOM files"),
         ("broken zip", [("cut.zip", dicom_zip({"a": mixed_a})[:500])], "zip"),
-        ("mixed series", [("mixed.zip", dicom_zip({"a": mixed_a, "b": mixed_b}))], " but "),
+        ("mixed series", [("mixed.zip", dicom_zip({"a": mixed_a, "b": mixed_b}))], "differs between slices"),
     ]
 
 
