@@ -39,10 +39,10 @@ def _data_convert(args: argparse.Namespace) -> None:
 
 
 def _data_to_dicom(args: argparse.Namespace) -> None:
-    from medseg.datasets.checks import open_nifti, prepare_output_dir
+    from medseg.datasets.checks import NIFTI_SUFFIXES, open_nifti, prepare_output_dir
 
     prepare_output_dir(args.out_dir, [args.nifti], create=False)
-    if Path(args.nifti).is_file():
+    if Path(args.nifti).is_file() and str(args.nifti).endswith(NIFTI_SUFFIXES):
         open_nifti(args.nifti)  # header checks before torch and MONAI are even imported (seconds)
 
     from medseg.datasets.dicom import write_dicom_series
