@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pydicom
 from monai.data import MetaTensor
 from pydicom.dataset import Dataset
 
-from medseg.datasets.dicom import SeriesInfo, list_series
+from medseg.datasets.dicom import SeriesInfo, is_dicom_bytes, list_series, read_header
 from medseg.errors import DataError, MedsegError
 from medseg.infer import NIFTI_SUFFIXES, load_image
 
@@ -84,7 +83,8 @@ def _safe_name(name: str) -> str:
 
 
 def _is_dicom(data: bytes) -> bool:
-    return len(data) >= 132 and data[128:132] == b"DICM"
+    """DICOM with or without the 128-byte preamble (the reader's own test)."""
+    return is_dicom_bytes(data[:132])
 
 
 def _extract_zip(data: bytes, dest: Path, limit: int) -> list[Path]:
@@ -168,8 +168,7 @@ def staged(files: Sequence[UploadedBytes]) -> Iterator[tuple[str, Path]]:
         for n, f in enumerate(files):
             if not _is_dicom(f.data):
                 raise DataError(
-                    f"{f.name}: not a NIfTI file (.nii, .nii.gz), a zip, or a DICOM file "
-                    "(no DICM marker); upload a 3D image"
+                    f"{f.name}: not a NIfTI file (.nii, .nii.gz), a zip, or a DICOM file; upload a 3D image"
                 )
             (folder / f"{n:05d}-{_safe_name(f.name)}").write_bytes(f.data)
         yield "DICOM", folder
@@ -224,7 +223,10 @@ def read_upload(files: Sequence[UploadedBytes], series_uid: str | None = None) -
 
 def _headers(series: SeriesInfo, n_slices: int) -> list[Dataset] | None:
     """The series' headers sorted along the slice normal, as the DICOM reader stacks the slices."""
-    headers = [pydicom.dcmread(p, stop_before_pixels=True) for p in series.files]
+    read = [read_header(p) for p in series.files]
+    headers = [h for h in read if h is not None]
+    if len(headers) != len(read):
+        return None
     iop = np.array([float(v) for v in headers[0].ImageOrientationPatient])
     normal = np.cross(iop[:3], iop[3:])
     headers.sort(key=lambda d: float(np.array([float(v) for v in d.ImagePositionPatient]) @ normal))

@@ -83,6 +83,10 @@ def load_dataset(root: str | os.PathLike[str]) -> DatasetInfo:
     """
     root_path = Path(root).expanduser()
     json_path = root_path / DATASET_JSON
+    if os.path.islink(root_path) and not root_path.exists():
+        from medseg.datasets.checks import check_input_path
+
+        check_input_path(root_path, "dataset folder")  # names a looping or dangling link
     if not root_path.is_dir():
         raise DataError(
             f"{root_path} is not a dataset folder: the folder does not exist; {_NOT_A_DATASET_HINT}"

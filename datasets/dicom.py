@@ -11,7 +11,10 @@ uneven spacing raise :class:`~medseg.errors.DataError` unless ``resample=True`` 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import re
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +26,16 @@ from monai.data import ImageReader
 from monai.utils import MetaKeys, SpaceKeys
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.errors import InvalidDicomError
-from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
+from pydicom.uid import (
+    CTImageStorage,
+    ExplicitVRBigEndian,
+    ExplicitVRLittleEndian,
+    ImplicitVRLittleEndian,
+    generate_uid,
+)
 from pydicom.valuerep import format_number_as_ds
 
+from medseg.datasets.checks import check_input_path, check_memory, prepare_output_dir, prepare_output_file
 from medseg.datasets.nifti import save_nifti
 from medseg.errors import DataError
 
@@ -33,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 _FLIP = np.diag([-1.0, -1.0, 1.0, 1.0])  # RAS <-> LPS (its own inverse)
 _INT16_MIN, _INT16_MAX = -32768, 32767
+_UID_RE = re.compile(r"[0-9]+(\.[0-9]+)+")
 
 
 def _ds(x: float) -> str:
@@ -114,7 +125,7 @@ def write_dicom_series(
     if abs(float(np.cross(row_dir, col_dir) @ lps[:3, 2])) < 1e-6 * sp_k:
         raise DataError(f"the affine for {out_dir} puts the k axis inside the slice plane")
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    prepare_output_dir(out_dir, what="DICOM series")
     old = [p for p in out_dir.iterdir() if p.is_file() and p.suffix.lower() == ".dcm"]
     if old and not overwrite:
         raise DataError(
@@ -169,38 +180,103 @@ class SeriesInfo:
     files: list[Path] = field(default_factory=list)
 
 
-def _read(path: Path, *, headers_only: bool) -> Dataset | None:
-    """Read one file; None when it is not DICOM, DataError when it claims DICOM but is corrupt."""
+_IMAGE_TAGS = ("SOPClassUID", "SeriesInstanceUID", "Rows")
+
+
+def is_dicom_bytes(head: bytes) -> bool:
+    """True for the start of a DICOM file: "DICM" at byte 128, or (no preamble) a first element of group 0002 or 0008.
+
+    Scanners and PACS exports often write files without the 128-byte preamble; every image must hold
+    group 0008 elements (SOPClassUID), so such a file starts with a tag of group 0002 or 0008.
+    """
+    if len(head) >= 132 and head[128:132] == b"DICM":
+        return True
+    return len(head) >= 8 and struct.unpack("<H", head[:2])[0] in (0x0002, 0x0008)
+
+
+def _looks_like_dicom(ds: Dataset) -> bool:
+    """A dataset read with force=True is DICOM only if it holds a well-formed UID where DICOM puts one."""
     try:
-        return pydicom.dcmread(path, stop_before_pixels=headers_only)
+        for tag in ("SOPClassUID", "SeriesInstanceUID", "SOPInstanceUID"):
+            value = ds.get(tag)
+            if value is not None and _UID_RE.fullmatch(str(value)):
+                return True
+    except Exception:  # noqa: BLE001 - garbage parsed as elements fails on access in many ways
+        return False
+    return False
+
+
+def _set_transfer_syntax(ds: Dataset) -> None:
+    """A file without file meta: record the encoding it was read with, so its pixels can be decoded."""
+    if "TransferSyntaxUID" in ds.file_meta:
+        return
+    implicit, little = getattr(ds, "original_encoding", (True, True))
+    if implicit is None:
+        implicit, little = True, True
+    ds.file_meta.TransferSyntaxUID = (
+        ImplicitVRLittleEndian if implicit else ExplicitVRLittleEndian if little else ExplicitVRBigEndian
+    )
+
+
+def read_header(path: str | Path, *, headers_only: bool = True) -> Dataset | None:
+    """Read one file as DICOM, with or without its preamble and file meta.
+
+    None when it is not DICOM; DataError when it claims DICOM but cannot be parsed.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(132)
+    except OSError as e:
+        raise DataError(f"{path} cannot be opened ({e.strerror}); check its permissions") from None
+    if not is_dicom_bytes(head):
+        return None
+    preamble = head[128:132] == b"DICM"
+    try:
+        ds = pydicom.dcmread(path, stop_before_pixels=headers_only, force=not preamble)
     except InvalidDicomError:
         return None
     except Exception as e:  # pydicom raises many kinds on corrupt files
+        if not preamble:
+            return None
         raise DataError(
             f"{path} looks like DICOM but cannot be read ({e}); replace or remove the file"
         ) from e
+    if not preamble:
+        if not _looks_like_dicom(ds):
+            return None
+        _set_transfer_syntax(ds)
+    return ds
 
 
-def list_series(folder: str | Path) -> list[SeriesInfo]:
-    """List the image series under ``folder`` (recursively), reading headers only."""
-    folder = Path(folder)
+def _read(path: Path, *, headers_only: bool) -> Dataset | None:
+    return read_header(path, headers_only=headers_only)
+
+
+@dataclass
+class FolderScan:
+    """What a folder holds: its image series, and the files that are not part of any."""
+
+    series: list[SeriesInfo]
+    skipped: list[Path] = field(default_factory=list)
+
+
+def scan_folder(folder: str | Path) -> FolderScan:
+    """List the image series under ``folder`` (recursively, headers only), and the files skipped."""
+    folder = check_input_path(folder, "DICOM folder")
     if not folder.is_dir():
         raise DataError(f"{folder} is not a folder; give the folder that holds the DICOM series")
     found: dict[str, SeriesInfo] = {}
+    skipped: list[Path] = []
     # hidden names are skipped: they hold the temporary files of a write in progress
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        try:
-            with open(path, "rb") as f:
-                if f.read(132)[128:] != b"DICM":
-                    continue
-        except OSError as e:
-            raise DataError(f"{path} cannot be opened ({e}); check its permissions") from e
         ds = _read(path, headers_only=True)
         if ds is None:
+            skipped.append(path)
             continue
         # pydicom stops quietly at the end of a truncated file: an image cut before its series UID is
         # reported here; one cut later stays in its series and is reported when that series is read
-        sop = ds.file_meta.get("MediaStorageSOPClassUID", "")
+        sop = ds.file_meta.get("MediaStorageSOPClassUID", "") or ds.get("SOPClassUID", "")
         is_image = "Rows" in ds or "Image Storage" in getattr(sop, "name", "")
         if not sop or len(ds) == 0 or (is_image and "SeriesInstanceUID" not in ds and "Rows" not in ds):
             raise DataError(
@@ -209,6 +285,7 @@ def list_series(folder: str | Path) -> list[SeriesInfo]:
         if not is_image or "SeriesInstanceUID" not in ds:
             log = logger.warning if is_image else logger.debug
             log("skipping %s: %s", path, "no SeriesInstanceUID" if is_image else "not a DICOM image")
+            skipped.append(path)
             continue
         uid = str(ds.SeriesInstanceUID)
         info = found.setdefault(
@@ -216,7 +293,12 @@ def list_series(folder: str | Path) -> list[SeriesInfo]:
         )
         info.files.append(path)
         info.n_files += 1
-    return list(found.values())
+    return FolderScan(list(found.values()), skipped)
+
+
+def list_series(folder: str | Path) -> list[SeriesInfo]:
+    """List the image series under ``folder`` (recursively), reading headers only."""
+    return scan_folder(folder).series
 
 
 def _describe(series: list[SeriesInfo]) -> str:
@@ -252,6 +334,131 @@ def _check_gaps(gaps: np.ndarray, pos: np.ndarray, tol: float, folder: Path) -> 
     )
 
 
+_SAME_TAGS = (
+    "Rows",
+    "Columns",
+    "BitsAllocated",
+    "BitsStored",
+    "PixelRepresentation",
+    "SamplesPerPixel",
+    "PhotometricInterpretation",
+    "FrameOfReferenceUID",
+    "Modality",
+)
+# tags that tell acquisitions of one series apart (echoes, inversion times, cardiac or dynamic phases)
+_ACQUISITION_TAGS = ("EchoNumbers", "EchoTime", "InversionTime", "TemporalPositionIdentifier")
+
+
+def _opt_float(ds: Dataset, path: Path, tag: str) -> float | None:
+    """A numeric tag's value, None when absent or empty; DataError when it is not a finite number."""
+    if tag not in ds or ds[tag].value in (None, ""):
+        return None
+    try:
+        value = float(ds[tag].value)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or (tag == "RescaleSlope" and value == 0):
+        raise DataError(
+            f"{path}: {tag} is {ds[tag].value!r}, which would make every voxel of the slice wrong; "
+            "repair or remove the file"
+        )
+    return value
+
+
+def _groups(slices: list[Any], key: Any) -> dict[Any, list[Path]]:
+    groups: dict[Any, list[Path]] = {}
+    for item in slices:
+        groups.setdefault(key(item), []).append(item[0])
+    return groups
+
+
+def _show_groups(groups: dict[Any, list[Path]]) -> str:
+    return "; ".join(f"{k}: {len(v)} file(s), e.g. {v[0]}" for k, v in list(groups.items())[:4])
+
+
+def _check_same_across_slices(slices: list[Any], where: str) -> None:
+    """Every per-slice tag that changes voxel values or geometry must agree across the series."""
+    for tag in _SAME_TAGS:
+        groups = _groups(slices, lambda s, t=tag: str(s[1].get(t, "(absent)")))
+        if len(groups) > 1:
+            raise DataError(
+                f"{where}: {tag} differs between slices ({_show_groups(groups)}); the files are not one "
+                "volume. Split the series or remove the odd files"
+            )
+    path0, _, _, iop0, ps0 = slices[0]
+    for path, _, _, iop, ps in slices[1:]:
+        if not np.allclose(iop, iop0, atol=1e-4):
+            raise DataError(
+                f"{where}: {path} and {path0} differ in ImageOrientationPatient; the series mixes "
+                "geometries (a localizer?), split it or remove the odd files"
+            )
+        if not np.allclose(ps, ps0, rtol=1e-4, atol=1e-6):
+            raise DataError(
+                f"{where}: {path} and {path0} differ in PixelSpacing ({ps.tolist()} vs {ps0.tolist()}); the "
+                "series mixes geometries, split it or remove the odd files"
+            )
+    for tag in ("RescaleSlope", "RescaleIntercept"):
+        values = [_opt_float(s[1], s[0], tag) for s in slices]
+        absent = [s[0] for s, v in zip(slices, values, strict=True) if v is None]
+        if absent and len(absent) < len(slices):
+            present = next(s[0] for s, v in zip(slices, values, strict=True) if v is not None)
+            raise DataError(
+                f"{where}: {absent[0]} has no {tag} but {present} has one ({len(absent)} of {len(slices)} "
+                f"slices lack it); its voxel values would be on another scale. Repair or remove those files"
+            )
+    sops = _groups(slices, lambda s: str(s[1].get("SOPInstanceUID", "")) or str(s[0]))
+    dup = next((v for v in sops.values() if len(v) > 1), None)
+    if dup:
+        raise DataError(
+            f"{where}: {dup[0]} and {dup[1]} are the same image (one SOPInstanceUID); remove the copy"
+        )
+
+
+def _check_acquisitions(slices: list[Any], pos: np.ndarray, where: str) -> None:
+    """Several acquisitions under one SeriesInstanceUID are refused, never merged into one volume.
+
+    Slices must sit in one acquisition (same echo, inversion time, temporal position). Differing
+    AcquisitionNumbers are accepted only when each number holds a contiguous run of positions (CT
+    scanners number each rotation of an axial scan); interleaved or overlapping ones are refused.
+    Duplicate positions and instance numbers are refused.
+    """
+    groups = _groups(slices, lambda s: tuple(str(s[1].get(t, "")) for t in _ACQUISITION_TAGS))
+    if len(groups) > 1:
+        named = {
+            ", ".join(f"{t}={v}" for t, v in zip(_ACQUISITION_TAGS, k) if v): v for k, v in groups.items()
+        }
+        raise DataError(
+            f"{where}: holds {len(groups)} acquisitions under one SeriesInstanceUID ({_show_groups(named)}); "
+            "medseg will not merge them into one volume. Put each acquisition in its own folder and read it alone"
+        )
+    numbers = [str(s[1].get("AcquisitionNumber", "")) for s in slices]  # slices are sorted by position
+    runs = [n for i, n in enumerate(numbers) if i == 0 or n != numbers[i - 1]]
+    if len(set(runs)) != len(runs):
+        groups = _groups(slices, lambda s: f"AcquisitionNumber {s[1].get('AcquisitionNumber', '')}")
+        raise DataError(
+            f"{where}: holds {len(groups)} acquisitions whose slices interleave or overlap "
+            f"({_show_groups(groups)}); medseg will not merge them into one volume. Put each acquisition in its "
+            "own folder and read it alone"
+        )
+    if len(runs) > 1:
+        logger.info("%s: AcquisitionNumbers %s cover consecutive slabs; read as one volume", where, runs)
+    gaps = np.diff(pos)
+    if np.any(gaps < 1e-3):
+        g = int(np.flatnonzero(gaps < 1e-3)[0])
+        raise DataError(
+            f"{where}: {slices[g][0]} and {slices[g + 1][0]} share the slice position {pos[g]:.3f} mm; the "
+            "folder mixes acquisitions (echoes, phases) or holds a copied slice: split it by series or remove "
+            "duplicates"
+        )
+    numbers_i = _groups(slices, lambda s: str(s[1].get("InstanceNumber", "")))
+    dup = next((v for k, v in numbers_i.items() if k and len(v) > 1), None)
+    if dup:
+        raise DataError(
+            f"{where}: {dup[0]} and {dup[1]} have the same InstanceNumber at different positions; the "
+            "series mixes two acquisitions or renumbered copies. Split it or remove the odd files"
+        )
+
+
 def read_dicom_series(
     folder: str | Path,
     *,
@@ -261,9 +468,14 @@ def read_dicom_series(
 ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """Read one series into (float32 volume indexed (i, j, k), RAS affine 4x4, meta dict)."""
     folder = Path(folder)
-    series = list_series(folder)
+    scan = scan_folder(folder)
+    series = scan.series
     if not series:
-        raise DataError(f"{folder} holds no DICOM files; point to the folder that holds the series")
+        raise DataError(
+            f"{folder} holds no DICOM files ({len(scan.skipped)} other file(s) that pydicom cannot read as DICOM); "
+            "point to the folder "
+            "that holds the series"
+        )
     if series_uid is None and len(series) > 1:
         raise DataError(
             f"{folder} holds {len(series)} DICOM series; choose one with --series UID "
@@ -275,6 +487,13 @@ def read_dicom_series(
             f"{folder} holds no series with UID {series_uid}; the series there are:\n{_describe(series)}"
         )
 
+    first = _read(chosen.files[0], headers_only=True)
+    if first is not None and "Rows" in first and "Columns" in first:
+        check_memory(
+            int(first.Rows) * int(first.Columns) * len(chosen.files),
+            max(int(first.get("BitsAllocated", 16) or 16) // 8, 1),
+            f"DICOM series {chosen.uid} in {folder}",
+        )
     slices = []
     for path in chosen.files:
         ds = _read(path, headers_only=False)
@@ -288,20 +507,15 @@ def read_dicom_series(
         ipp = _floats(ds, path, "ImagePositionPatient", 3)
         ps = _floats(ds, path, "PixelSpacing", 2)
         slices.append((path, ds, ipp, iop, ps))
+    where = f"DICOM series {chosen.uid} in {folder}"
+    _check_same_across_slices(slices, where)
     path0, ds0, _, iop0, ps0 = slices[0]
-    for path, ds, _, iop, ps in slices[1:]:
-        if (ds.Rows, ds.Columns) != (ds0.Rows, ds0.Columns):
-            raise DataError(f"{path} is {ds.Rows}x{ds.Columns} but {path0} is {ds0.Rows}x{ds0.Columns}")
-        if not np.allclose(iop, iop0, atol=1e-4) or not np.allclose(ps, ps0, rtol=1e-4, atol=1e-6):
-            raise DataError(
-                f"{path} and {path0} differ in ImageOrientationPatient or PixelSpacing; "
-                "the series mixes geometries, split it before reading"
-            )
     row_dir, col_dir = iop0[:3] / np.linalg.norm(iop0[:3]), iop0[3:] / np.linalg.norm(iop0[3:])
     normal = np.cross(row_dir, col_dir)
     slices.sort(key=lambda s: float(s[2] @ normal))
     pos = np.array([float(s[2] @ normal) for s in slices])
     ipps = np.array([s[2] for s in slices])
+    _check_acquisitions(slices, pos, where)
 
     planes = []
     for path, ds, *_ in slices:
@@ -312,7 +526,8 @@ def read_dicom_series(
                 f"{path}: pixel data cannot be decoded ({e}); the file may be truncated, or its "
                 "transfer syntax needs an extra decoder (pylibjpeg, gdcm)"
             ) from e
-        slope, intercept = float(ds.get("RescaleSlope", 1) or 1), float(ds.get("RescaleIntercept", 0) or 0)
+        slope, intercept = _opt_float(ds, path, "RescaleSlope"), _opt_float(ds, path, "RescaleIntercept")
+        slope, intercept = 1.0 if slope is None else slope, 0.0 if intercept is None else intercept
         planes.append((pixels * np.float32(slope) + np.float32(intercept)).T)
     volume = np.stack(planes, axis=2).astype(np.float32)
 
@@ -336,6 +551,12 @@ def read_dicom_series(
         except DataError:
             if not resample:
                 raise
+            if scan.skipped:
+                raise DataError(
+                    f"{where}: slices are missing or unevenly spaced, and the folder holds {len(scan.skipped)} "
+                    f"file(s) that are not slices of this series (e.g. {scan.skipped[0]}); a missing slice may "
+                    "be among them, so --resample will not interpolate it. Remove those files or repair them"
+                ) from None
             n_out = int(round((pos[-1] - pos[0]) / float(np.median(gaps)))) + 1
             grid = np.linspace(pos[0], pos[-1], n_out)
             hi = np.clip(np.searchsorted(pos, grid, side="right"), 1, len(pos) - 1)
@@ -440,9 +661,7 @@ def dicom_to_nifti(
     dicom_dir: str | Path, out_path: str | Path, *, series_uid: str | None = None, resample: bool = False
 ) -> Path:
     """Convert one DICOM series to NIfTI (sform and qform = the RAS affine, code 1), written atomically."""
-    out_path = Path(out_path)
-    if not out_path.name.endswith((".nii", ".nii.gz")):
-        raise DataError(f"{out_path} must end with .nii or .nii.gz")
+    out_path = prepare_output_file(out_path, [dicom_dir], (".nii", ".nii.gz"), "NIfTI output", create=False)
     volume, affine, _ = read_dicom_series(dicom_dir, series_uid=series_uid, resample=resample)
     save_nifti(volume, affine, out_path)
     logger.info("converted DICOM series in %s to %s", dicom_dir, out_path)

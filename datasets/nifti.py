@@ -8,6 +8,8 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
+from medseg.datasets.checks import prepare_output_file
+
 
 def save_nifti(array: np.ndarray, affine: np.ndarray, path: str | Path) -> Path:
     """Write ``array`` with the RAS ``affine`` (sform and qform, code 1) to ``path`` atomically.
@@ -15,8 +17,7 @@ def save_nifti(array: np.ndarray, affine: np.ndarray, path: str | Path) -> Path:
     The data goes to a hidden temporary file beside ``path`` (same suffix, so nibabel compresses
     ``.nii.gz``) and is renamed over ``path`` only when complete.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = prepare_output_file(path, what="NIfTI output")  # an existing folder or a file as parent: DataError
     suffix = ".nii.gz" if path.name.endswith(".nii.gz") else path.suffix
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name[: -len(suffix)]}{suffix}")
     img = nib.Nifti1Image(np.asarray(array), np.asarray(affine, dtype=np.float64))

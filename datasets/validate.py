@@ -4,7 +4,9 @@
 and reports per-case geometry plus a list of problems, each naming the file and the defect:
 missing or unreadable files (including truncated ``.nii.gz``), images that are not 3D, NaN/Inf
 voxels, label volumes whose shape or affine disagree with their image, label values or classes that
-``dataset.json`` does not declare, and a ``numTraining`` that does not match the list.
+``dataset.json`` does not declare, and a ``numTraining`` that does not match the list. The checks
+themselves live in :mod:`medseg.datasets.checks` (header size limits, the qform/sform policy, label
+values, grids, duplicates), which ``train``, ``evaluate``, ``infer`` and the viewer call too.
 """
 
 from __future__ import annotations
@@ -16,17 +18,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nibabel as nib
 import numpy as np
 from nibabel.filebasedimages import ImageFileError
 from nibabel.spatialimages import HeaderDataError
 from tqdm.auto import tqdm
 
+from medseg.errors import DataError
+
+from . import checks
 from .decathlon import DatasetInfo, load_dataset
 
 logger = logging.getLogger(__name__)
 
-AFFINE_TOLERANCE = 1e-3
+AFFINE_TOLERANCE = checks.AFFINE_TOLERANCE
 PROGRESS_MIN_CASES = 10
 _MAX_LISTED_VALUES = 10
 
@@ -113,43 +117,37 @@ def _display(path: str, root: Path) -> str:
         return path
 
 
-def _read(path: str, name: str) -> tuple[Any, np.ndarray]:
-    """Open a NIfTI file and read all its voxels; raise _LoadFailed with a problem text."""
-    if not os.path.exists(path):
-        raise _LoadFailed(f"{name}: file not found; fix the path in dataset.json or add the file")
-    if not os.path.isfile(path):
-        raise _LoadFailed(f"{name}: is not a file")
+def _read(path: str, name: str) -> tuple[Any, np.ndarray, np.ndarray]:
+    """Open a NIfTI file (header checks of ``checks.open_nifti``) and read all its voxels.
+
+    Returns (image, voxels, affine); raises _LoadFailed with a problem text.
+    """
     try:
-        img = nib.load(path)
+        img, affine = checks.open_nifti(path, name)
         data = np.asanyarray(img.dataobj)  # nibabel is lazy: this is where truncated data fails
+    except DataError as exc:
+        raise _LoadFailed(str(exc)) from exc
     except _LOAD_ERRORS as exc:
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise _LoadFailed(
             f"{name}: cannot be read as NIfTI ({reason}); the file is corrupt or truncated, re-export or re-copy it"
         ) from exc
-    return img, data
+    return img, data, affine
 
 
 def _spacing(affine: np.ndarray) -> tuple[float, ...]:
     return tuple(round(float(s), 2) for s in np.linalg.norm(affine[:3, :3], axis=0))
 
 
-def _list_values(values: np.ndarray | list[Any]) -> str:
-    vals = [v.item() if isinstance(v, np.generic) else v for v in values]
-    text = ", ".join(str(v) for v in vals[:_MAX_LISTED_VALUES])
-    return text + (f", ... ({len(vals)} in all)" if len(vals) > _MAX_LISTED_VALUES else "")
-
-
 def _check_image(path: str, name: str, row: CaseRow, n_channels: int) -> _Volume | None:
     """Read an image, fill ``row``'s geometry and append its problems; return its geometry if read."""
     try:
-        img, data = _read(path, name)
+        _, data, affine = _read(path, name)
     except _LoadFailed as exc:
         row.problems.append(str(exc))
         return None
     shape = tuple(int(s) for s in data.shape)
     row.shape = shape
-    affine = np.asarray(img.affine, dtype=np.float64)
     row.spacing = _spacing(affine)
     if len(shape) == 4:
         if shape[3] != n_channels:
@@ -174,7 +172,7 @@ def _check_image(path: str, name: str, row: CaseRow, n_channels: int) -> _Volume
 
 def _check_seg_label(path: str, name: str, image: _Volume | None, info: DatasetInfo, row: CaseRow) -> None:
     try:
-        img, data = _read(path, name)
+        _, data, affine = _read(path, name)
     except _LoadFailed as exc:
         row.problems.append(str(exc))
         return
@@ -182,53 +180,24 @@ def _check_seg_label(path: str, name: str, image: _Volume | None, info: DatasetI
     if len(shape) == 4 and shape[3] == 1:
         data = data[..., 0]
         shape = shape[:3]
-    affine = np.asarray(img.affine, dtype=np.float64)
     if image is not None:
-        if shape != image.shape:
-            row.problems.append(
-                f"{name}: label shape {shape} differs from image spatial shape {image.shape}; "
-                "resample the label onto its image"
-            )
-        diff = float(np.max(np.abs(affine - image.affine)))
-        if diff > AFFINE_TOLERANCE:
-            row.problems.append(
-                f"{name}: label affine differs from image affine (max abs difference {diff:.4g} > "
-                f"{AFFINE_TOLERANCE:g}); the label is not aligned to its image, copy the image's affine "
-                "or resample"
-            )
+        row.problems.extend(checks.geometry_problems(shape, affine, image.shape, image.affine, name))
     values = np.unique(data)
+    row.problems.extend(checks.label_value_problems(values, info.labels, name))
     if not np.issubdtype(values.dtype, np.integer):
-        non_int = values[~np.isfinite(values) | (values != np.round(values))]
-        if non_int.size:
-            row.problems.append(
-                f"{name}: label values must be integers, found {_list_values(non_int)}; save labels as integers"
-            )
-            values = values[np.isfinite(values) & (values == np.round(values))]
-        values = values.astype(np.int64)
+        values = values[np.isfinite(values) & (values == np.round(values))].astype(np.int64)
     found = [int(v) for v in values]
     row.labels = ",".join(str(v) for v in found[:_MAX_LISTED_VALUES]) + (
         ",..." if len(found) > _MAX_LISTED_VALUES else ""
     )
-    unexpected = [v for v in found if v not in info.labels]
-    if unexpected:
-        row.problems.append(
-            f"{name}: label values {_list_values(unexpected)} are not declared in dataset.json 'labels' "
-            f"({_list_values(sorted(info.labels))}); declare them or fix the label volume"
-        )
 
 
 def _check_cls_label(label: Any, name: str, info: DatasetInfo, row: CaseRow) -> None:
     if isinstance(label, bool) or not isinstance(label, int | np.integer):
         row.labels = repr(label)
-        row.problems.append(f"{name}: class label {label!r} is not an integer; use a key of 'labels'")
-        return
-    label = int(label)
-    row.labels = f"{label} ({info.labels[label]})" if label in info.labels else str(label)
-    if label not in info.labels:
-        row.problems.append(
-            f"{name}: class label {label} is not among the declared classes "
-            f"({', '.join(f'{k}={v}' for k, v in sorted(info.labels.items()))}); fix its 'label' in dataset.json"
-        )
+    else:
+        row.labels = f"{int(label)} ({info.labels[int(label)]})" if int(label) in info.labels else str(label)
+    row.problems.extend(checks.class_label_problems(label, info.labels, name))
 
 
 def validate_dataset(root: str | os.PathLike[str]) -> ValidationReport:
@@ -251,15 +220,8 @@ def validate_dataset(root: str | os.PathLike[str]) -> ValidationReport:
             f"dataset.json: numTest is {info.num_test} but 'test' lists {len(info.test)} images; "
             f"set numTest to {len(info.test)}"
         )
-    seen: dict[str, str] = {}
-    for i, item in enumerate(info.training):
-        if item["image"] in seen:
-            report.problems.append(
-                f"{_display(item['image'], info.root)}: listed twice in 'training' "
-                f"({seen[item['image']]} and training[{i}]); remove the duplicate"
-            )
-        else:
-            seen[item["image"]] = f"training[{i}]"
+    report.problems.extend(checks.declared_label_problems(info.labels, "dataset.json", info.task))
+    report.problems.extend(checks.duplicate_problems(info.training, lambda p: _display(p, info.root)))
 
     cases: list[tuple[str, dict[str, Any]]] = [("train", it) for it in info.training]
     cases += [("test", it) for it in info.test]

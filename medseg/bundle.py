@@ -35,7 +35,7 @@ import torch
 
 from medseg import __version__
 from medseg.config import Config, config_from_dict
-from medseg.errors import ConfigError, DataError, MedsegError, RunError
+from medseg.errors import ConfigError, MedsegError, RunError
 from medseg.models import build_network, network_def
 
 log = logging.getLogger(__name__)
@@ -519,9 +519,20 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu") -> Bundle:
         model = build_network(inference["network_def"])
         weights = torch.load(root / "models" / "model.pt", map_location="cpu", weights_only=True)
         model.load_state_dict(weights)
-    except (OSError, KeyError, json.JSONDecodeError, ConfigError, DataError, RuntimeError, EOFError) as exc:
+        if not isinstance(metadata.get("medseg_labels"), dict):
+            raise KeyError("configs/metadata.json has no 'medseg_labels' object (label value -> name)")
+        labels = {int(k): str(v) for k, v in metadata["medseg_labels"].items()}
+    except (
+        OSError,
+        KeyError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        ConfigError,
+        RuntimeError,
+        EOFError,
+    ) as exc:
         raise RunError(
             f"{root}: bundle is damaged or incomplete ({type(exc).__name__}: {exc}); export it again by training"
         ) from None
-    labels = {int(k): v for k, v in metadata["medseg_labels"].items()}
     return Bundle(root, model.to(device).eval(), cfg, labels, metadata)

@@ -39,6 +39,12 @@ def _data_convert(args: argparse.Namespace) -> None:
 
 
 def _data_to_dicom(args: argparse.Namespace) -> None:
+    from medseg.datasets.checks import NIFTI_SUFFIXES, open_nifti, prepare_output_dir
+
+    prepare_output_dir(args.out_dir, [args.nifti], create=False)
+    if Path(args.nifti).is_file() and str(args.nifti).endswith(NIFTI_SUFFIXES):
+        open_nifti(args.nifti)  # header checks before torch and MONAI are even imported (seconds)
+
     from medseg.datasets.dicom import write_dicom_series
     from medseg.infer import load_image
 
@@ -106,6 +112,11 @@ def _evaluate(args: argparse.Namespace) -> None:
 
 
 def _infer(args: argparse.Namespace) -> None:
+    from medseg.datasets.checks import NIFTI_SUFFIXES, open_nifti
+
+    if Path(args.input).is_file() and str(args.input).endswith(NIFTI_SUFFIXES):
+        open_nifti(args.input)  # header checks before torch and MONAI are even imported (seconds)
+
     from medseg.infer import infer_to_file
 
     out = infer_to_file(args.run, args.input, args.output, series_uid=args.series, resample=args.resample)
@@ -339,15 +350,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _OwnMessages(logging.Filter):
+    """Keep third-party warnings (MONAI's nvImageCodec notices, deprecations) off the user's terminal.
+
+    medseg's own records and any ERROR pass; the rest are shown with ``-v``.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.startswith("medseg") or record.levelno >= logging.ERROR
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    if not args.verbose:
+        handler.addFilter(_OwnMessages())
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
+    logging.captureWarnings(True)  # warnings.warn from libraries becomes a 'py.warnings' log record
     for noisy in ("monai", "matplotlib", "PIL"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+        logging.getLogger(noisy).setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         args.func(args)
     except MedsegError as exc:

@@ -244,12 +244,18 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply overrides, check every key and value."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            f"{path}: is a folder; give the config's YAML file (the shipped ones are in configs/)"
+        )
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found; the shipped ones are in configs/")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot be read as a UTF-8 YAML file ({exc}); fix or replace it") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     try:

@@ -13,7 +13,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import nibabel as nib
 import torch
 from monai import transforms as mt
 from monai.data import CacheDataset, DataLoader, Dataset, PersistentDataset
@@ -22,6 +21,7 @@ from torch.utils.data import RandomSampler
 
 from medseg import transforms as tf
 from medseg.config import Config
+from medseg.datasets import checks
 from medseg.datasets.decathlon import DatasetInfo, load_dataset, split_train_val
 from medseg.distributed import LocalSession, epoch_seed
 from medseg.errors import ConfigError, DataError
@@ -100,24 +100,6 @@ def _rss_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
 
 
-def _check_pairs(items: list[dict], root: Path) -> None:
-    """Image and label headers agree in shape (a header read, not a data read); the validator checks the rest."""
-    for item in items:
-        if not (isinstance(item.get("label"), str) and str(item["image"]).endswith((".nii", ".nii.gz"))):
-            continue
-        try:
-            image_shape, label_shape = nib.load(item["image"]).shape[:3], nib.load(item["label"]).shape[:3]
-        except Exception as exc:  # noqa: BLE001 - nibabel raises several types for damaged headers
-            raise DataError(
-                f"{item['image']}: header cannot be read ({exc}); run `medseg data validate {root}`"
-            ) from None
-        if image_shape != label_shape:
-            raise DataError(
-                f"{item['label']}: label shape {label_shape} differs from its image {image_shape}; "
-                f"run `medseg data validate {root}` for every problem"
-            )
-
-
 def read_dataset(cfg: Config) -> tuple[DatasetInfo, list[dict], list[dict]]:
     """Read the dataset named by ``cfg.data.dir`` (headers only) and split it: info, train, validation."""
     info = load_dataset(cfg.data.dir)
@@ -125,8 +107,10 @@ def read_dataset(cfg: Config) -> tuple[DatasetInfo, list[dict], list[dict]]:
         raise ConfigError(f"task: config says {cfg.task!r} but {info.json_path} holds a {info.task} dataset")
     if len(info.training) < 2:
         raise DataError(f"{info.json_path}: needs at least 2 training cases, found {len(info.training)}")
-    if cfg.task == "segmentation":
-        _check_pairs(info.training, info.root)
+    # the checks `medseg data validate` makes (label values read, images' headers only)
+    checks.check_training_items(
+        info.training, info.labels, info.task, str(info.json_path), f"run `medseg data validate {info.root}`"
+    )
     train_items, val_items = split_train_val(info.training, cfg.data.val_fraction, cfg.train.seed)
     return info, train_items, val_items
 

@@ -21,6 +21,7 @@ from monai.networks.utils import one_hot
 from tqdm import tqdm
 
 from medseg.bundle import Bundle, load_bundle
+from medseg.datasets import checks
 from medseg.datasets.decathlon import load_dataset, split_train_val
 from medseg.errors import DataError
 from medseg.infer import load_image, predict
@@ -48,6 +49,10 @@ def _cases(bundle: Bundle, data_dir: str | Path | None) -> tuple[str, list[dict[
         )
     if not items:
         raise DataError(f"{info.json_path}: no labelled cases to evaluate on")
+    # the checks of `medseg data validate`, against the labels the model was trained with
+    checks.check_training_items(
+        items, bundle.labels, cfg.task, str(info.json_path), f"run `medseg data validate {info.root}`"
+    )
     return source, items
 
 

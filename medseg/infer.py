@@ -24,11 +24,12 @@ from monai.transforms import Invertd
 
 from medseg import transforms as tf
 from medseg.bundle import Bundle, load_bundle
+from medseg.datasets import checks
 from medseg.datasets.nifti import save_nifti
 from medseg.errors import DataError
 
 log = logging.getLogger(__name__)
-NIFTI_SUFFIXES = (".nii", ".nii.gz")
+NIFTI_SUFFIXES = checks.NIFTI_SUFFIXES
 
 
 @dataclass
@@ -39,13 +40,16 @@ class Prediction:
 
 def load_image(source: str | Path, series_uid: str | None = None, resample: bool = False) -> MetaTensor:
     """Read a NIfTI file or a DICOM series folder as a (C, I, J, K) MetaTensor with its RAS affine."""
-    source = Path(source)
-    if not source.exists():
-        raise DataError(f"{source}: not found; give a NIfTI file (.nii, .nii.gz) or a DICOM series folder")
+    source = checks.check_input_path(
+        source, "input", hint="give a NIfTI file (.nii, .nii.gz) or a DICOM series folder"
+    )
     if source.is_file() and not source.name.endswith(NIFTI_SUFFIXES):
         raise DataError(
             f"{source}: not a NIfTI file (.nii, .nii.gz); for DICOM give the folder that holds the series"
         )
+    if source.is_file():
+        # header checks (size against memory, qform/sform policy) before a single voxel is decompressed
+        checks.open_nifti(source)
     image = tf.apply(tf.loader(["image"], series_uid=series_uid, resample=resample), {"image": str(source)})[
         "image"
     ]
@@ -144,6 +148,7 @@ def infer_to_file(
 ) -> Path:
     """``medseg infer``: a NIfTI label map (segmentation) or a JSON of class probabilities (classification)."""
     bundle, output = load_bundle(run), Path(output)
+    checks.prepare_output_file(output, [source], create=False)  # before the input is read
     if bundle.task == "classification" and output.suffix != ".json":
         raise DataError(
             f"{output}: a classification model writes class probabilities; name the output *.json"
@@ -152,12 +157,16 @@ def infer_to_file(
         raise DataError(f"{output}: the output must be a NIfTI file name (.nii or .nii.gz)")
     image = load_image(source, series_uid=series_uid, resample=resample)
     result = predict(bundle, image)
+    checks.prepare_output_file(output, [source])
     if bundle.task == "classification":
         tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
-        tmp.write_text(
-            json.dumps({"input": str(source), "probabilities": result.probabilities}, indent=2) + "\n"
-        )
-        os.replace(tmp, output)
+        try:
+            tmp.write_text(
+                json.dumps({"input": str(source), "probabilities": result.probabilities}, indent=2) + "\n"
+            )
+            os.replace(tmp, output)
+        finally:
+            tmp.unlink(missing_ok=True)
         return output
     assert result.label is not None
     save_nifti(result.label[0].numpy(), np.asarray(image.affine, dtype=np.float64), output)

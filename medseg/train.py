@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from medseg.bundle import export_bundle
 from medseg.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from medseg.config import Config, config_from_dict, diff_configs, save_config
 from medseg.data import make_train_data, read_dataset, seed_epoch
+from medseg.datasets.checks import prepare_output_dir
 from medseg.distributed import LocalSession, open_session
 from medseg.errors import ConfigError, RunError
 from medseg.models import build_network, network_def
@@ -130,7 +132,7 @@ def train(
     run_dir, ckpt_dir = cfg.run_dir, cfg.run_dir / "checkpoints"
     last_path, best_path, metrics_path = ckpt_dir / "last.pt", ckpt_dir / "best.pt", run_dir / "metrics.jsonl"
     session = open_session(cfg, straggler)
-    handler = None
+    handler, created = None, False
     try:
         # Rank 0 alone reads and writes the run folder; the other ranks (possibly in other
         # hospitals, without that folder) receive its resume state over the channel.
@@ -147,7 +149,8 @@ def train(
                 raise RunError(
                     f"{run_dir}: already holds a run; pass --resume to continue it, or name=<new name> to start another"
                 )
-            run_dir.mkdir(parents=True, exist_ok=True)
+            created = not run_dir.exists()
+            prepare_output_dir(run_dir, what="run folder")  # a clear error when a file stands in the way
             handler = _attach_log_file(run_dir)
         state = session.share_state(state)
         return _train(
@@ -158,6 +161,9 @@ def train(
             logging.getLogger("medseg").removeHandler(handler)
             handler.close()
         session.close()
+        if created and session.is_chief and not last_path.exists():
+            # stopped before its first checkpoint (bad data or config): leave no half-made run folder
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _train(
