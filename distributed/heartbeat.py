@@ -167,6 +167,8 @@ class Watchdog:
         grace = max(self.timeout_s, START_GRACE_S)
         for r in range(self.np_):
             st = states.get(r)
+            if st is not None and st.phase == "done":
+                continue  # finished its part (e.g. while rank 0 still validates and exports)
             if st is None:
                 if now - self.started > grace:
                     return f"{describe(r, None)} never reported (for {now - self.started:.0f} s)"
@@ -183,6 +185,7 @@ class Watchdog:
                     f"(limit {self.long_phase_s:.0f} s)"
                 )
         if len(states) == self.np_ and all(s.phase in ("train", "wait") for s in states.values()):
+            # (a rank that is done is neither: the others are then finishing too, not stuck)
             progress = {r: max(s.last_step, s.phase_since) for r, s in states.items()}
             if now - max(progress.values()) > self.timeout_s:
                 culprit = min(progress, key=lambda r: progress[r])

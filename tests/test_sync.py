@@ -80,3 +80,9 @@ def test_watchdog_bounds_a_long_phase() -> None:
     states = {0: _state("validate", 5000.0, since=10.0), 1: _state("wait", 5000.0, since=10.0)}
     assert dog.verdict(states, now=1000.0) is None
     assert "phase 'validate'" in (dog.verdict(states, now=5000.0) or "")
+
+
+def test_watchdog_leaves_finished_ranks_alone() -> None:
+    dog = Watchdog(np_=2, timeout_s=20.0, started=0.0)
+    states = {0: _state("validate", 500.0, since=450.0), 1: _state("done", 400.0, since=400.0)}
+    assert dog.verdict(states, now=501.0) is None
