@@ -199,6 +199,10 @@ class HorovodSession(LocalSession):
         from medseg.distributed.sync import BulkSynchronous, GroupStale, LocalSGD, assign, flat
 
         d = self.dist
+        if d.sync in ("gssp", "ssp") and d.compression == "fp16":
+            raise ConfigError(
+                "dist.compression: fp16 is Horovod's (bsp only); gssp/ssp rounds take none or fixed (dist.bits)"
+            )
         # One model everywhere: rank 0's parameters and buffers (its checkpoint's on a resume).
         tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
         vector = flat(tensors)

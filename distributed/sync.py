@@ -334,7 +334,8 @@ class GroupStale(SyncedOptimizer):
     ) -> None:
         super().__init__(optimizer, model)
         self.channel = channel
-        self.average = GroupAverage(model, channel, compression, bits)
+        # In-site links are fast: the per-step average stays exact; compression is for the WAN rounds.
+        self.average = GroupAverage(model, channel, "none", bits)
         self.group_size, self.period, self.bound, self.dc_lambda = (
             len(channel.group),
             period,
