@@ -190,7 +190,10 @@ def _run_one(
         "wan_bytes_measured": wan_bytes,
         "wan_payload_measured": wan_bytes - HEADER_BYTES * wan_packets,
         "wan_packets": wan_packets,
-        "wan_bytes_reported": sum(r.get("dist_wan_bytes", 0) for r in records),
+        # the algorithm's own byte model plus the checkpoint state remote ranks send to rank 0
+        "wan_bytes_reported": sum(
+            r.get("dist_wan_bytes", 0) + r.get("dist_state_wan_bytes", 0) for r in records
+        ),
         "max_lead_rounds": max_lead_rounds(ranks),
         "staleness_bound": dist.get("staleness", 2) if dist["sync"] == "gssp" else 0,
         "insite_step_s_idle": idle,

@@ -134,6 +134,29 @@ class Group:
         return [pickle.loads(o[: int(s)].numpy().tobytes()) for o, s in zip(outs, sizes)]
 
 
+def gather_to_root(group: Group, obj: Any, root: int = 0) -> tuple[list[Any] | None, list[int]]:
+    """``obj`` of every member, on global rank ``root`` only (None elsewhere), and each one's pickled size.
+
+    Unlike :meth:`Group.gather_objects` nothing travels to the other members: for checkpoint state
+    that only rank 0 writes, the WAN carries each remote rank's state once.
+    """
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes_t = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
+    group.allgather(sizes_t, torch.tensor([data.numel()], dtype=torch.int64))
+    sizes = [int(s) for s in sizes_t]
+    top = max(sizes)
+    padded = torch.zeros(top, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    opts = dist.GatherOptions()
+    opts.rootRank = group.root(root)
+    if group.ranks[group.index] == root:
+        outs = [torch.empty(top, dtype=torch.uint8) for _ in range(group.size)]
+        group.pg.gather([outs], [padded], opts).wait()
+        return [pickle.loads(o[:n].numpy().tobytes()) for o, n in zip(outs, sizes)], sizes
+    group.pg.gather([], [padded], opts).wait()
+    return None, sizes
+
+
 class Channel:
     """The job's private Gloo world plus one group per sync group and one of their leaders.
 
@@ -192,7 +215,17 @@ class Channel:
         return self.world.gather_objects(obj)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return self.world.gather_objects(obj if self.rank == src else None)[src]
+        """``obj`` of rank ``src`` on every rank (its size first, then its pickled bytes)."""
+        data = pickle.dumps(obj) if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.world.broadcast_(size, src)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data
+            else torch.empty(int(size), dtype=torch.uint8)
+        )
+        self.world.broadcast_(buf, src)
+        return obj if self.rank == src else pickle.loads(buf.numpy().tobytes())
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> None:
         self.world.broadcast_(tensor, src)

@@ -114,6 +114,7 @@ class HorovodSession(LocalSession):
         self.epoch_samples = 0
         self._step_tic = 0.0
         self._step_compute = 0.0
+        self.state_wan_bytes = 0
 
     # -- groups ---------------------------------------------------------------------------------
     def prepare(self, profile_step: Callable[[], int]) -> None:
@@ -227,12 +228,24 @@ class HorovodSession(LocalSession):
         return self.optimizer
 
     def gather_sync_state(self, optimizer: Any) -> list[dict[str, Any]] | None:
-        """Every rank's own synchronisation state (residuals), in rank order, on every rank."""
-        return self.channel.gather_objects(optimizer.sync_state())
+        """Every rank's own synchronisation state (residuals, moments), in rank order, on rank 0 only.
+
+        Members of a gssp/ssp group hold the same state as their leader (same inputs, same maths),
+        so they send a reference to it instead; what crosses between hosts is counted in
+        ``state_wan_bytes`` (the benchmark adds it to the algorithm's own byte count).
+        """
+        from medseg.distributed.channel import gather_to_root
+
+        same = self.dist.sync in ("gssp", "ssp") and not self.channel.is_leader
+        mine = {"same_as": self.channel.leader} if same else optimizer.sync_state()
+        states, sizes = gather_to_root(self.channel.world, mine, root=0)
+        self.state_wan_bytes = sum(n for r, n in enumerate(sizes) if self.hosts[r] != self.hosts[0])
+        return states
 
     def load_sync_state(self, optimizer: Any, states: list[dict[str, Any]] | None) -> None:
         if states and len(states) == self.size:
-            optimizer.load_sync_state(states[self.rank])
+            mine = states[self.rank]
+            optimizer.load_sync_state(states[mine["same_as"]] if "same_as" in mine else mine)
         elif states:
             log.warning(
                 "checkpoint holds synchronisation state of %d ranks, not %d: residuals restart",

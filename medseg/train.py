@@ -278,6 +278,8 @@ def _train(
         }
         record.update(session.end_epoch(optimizer))
         sync_state = session.gather_sync_state(optimizer)  # every rank's residuals, for the checkpoint
+        if sync_state is not None:
+            record["dist_state_wan_bytes"] = session.state_wan_bytes
         if not session.is_chief:
             continue  # rank 0 alone validates and writes; the others wait for it at the next epoch
         if data.val_loader is not None and (epoch % t.val_interval == 0 or epoch == t.epochs):
