@@ -173,7 +173,10 @@ class Watchdog:
                 if now - self.started > grace:
                     return f"{describe(r, None)} never reported (for {now - self.started:.0f} s)"
                 continue
-            if now - st.last_seen > self.timeout_s:
+            # Horovod's init holds the GIL while it waits for every rank's rendezvous, so the beat
+            # thread is silent then: a rank still starting gets the start-up grace, not the timeout.
+            limit = grace if st.phase == "start" else self.timeout_s
+            if now - st.last_seen > limit:
                 return (
                     f"{describe(r, st)} stopped responding (nothing heard for {now - st.last_seen:.0f} s, "
                     f"last in phase {st.phase!r})"

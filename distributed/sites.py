@@ -649,8 +649,9 @@ def tcp_throughput(
         server.close()
 
 
-def tcp_connects(src: Site, dst: Site, timeout: float = 2.0) -> bool:
-    """True when a TCP connection from src to dst's address is set up within ``timeout`` seconds."""
+def tcp_connect_error(src: Site, dst: Site, timeout: float = 2.0) -> OSError | None:
+    """None when a TCP connection from src to dst's address is set up within ``timeout`` seconds, else
+    why not (a timeout or "unreachable" for a cut link; a refusal would mean dst was reached)."""
     server = socket_in(dst.netns)
     client = socket_in(src.netns)
     try:
@@ -659,12 +660,17 @@ def tcp_connects(src: Site, dst: Site, timeout: float = 2.0) -> bool:
         client.settimeout(timeout)
         try:
             client.connect((dst.ip, server.getsockname()[1]))
-        except OSError:
-            return False
-        return True
+        except OSError as exc:
+            return exc
+        return None
     finally:
         client.close()
         server.close()
+
+
+def tcp_connects(src: Site, dst: Site, timeout: float = 2.0) -> bool:
+    """True when a TCP connection from src to dst's address is set up within ``timeout`` seconds."""
+    return tcp_connect_error(src, dst, timeout) is None
 
 
 # --------------------------------------------------------------------------------------------

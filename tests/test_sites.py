@@ -126,9 +126,9 @@ def test_cut_stops_traffic_and_restore_brings_it_back() -> None:
         assert tcp_connects(a, b)
         tb.cut("b")
         assert tb.status()["sites"][1]["link_up"] is False
-        t0 = time.monotonic()
-        assert not tcp_connects(a, b, timeout=2.0)
-        assert time.monotonic() - t0 >= 1.9  # it timed out, it was not refused
+        error = sites.tcp_connect_error(a, b, timeout=2.0)
+        # dropped (a timeout) or answered by the router as unreachable; never refused by site b itself
+        assert error is not None and not isinstance(error, ConnectionRefusedError), error
         tb.restore("b")
         assert tcp_connects(a, b, timeout=5.0)
     assert leftovers() == []

@@ -86,3 +86,10 @@ def test_watchdog_leaves_finished_ranks_alone() -> None:
     dog = Watchdog(np_=2, timeout_s=20.0, started=0.0)
     states = {0: _state("validate", 500.0, since=450.0), 1: _state("done", 400.0, since=400.0)}
     assert dog.verdict(states, now=501.0) is None
+
+
+def test_watchdog_gives_a_starting_rank_the_start_up_grace() -> None:
+    dog = Watchdog(np_=2, timeout_s=20.0, started=0.0)
+    states = {0: _state("start", 10.0, since=10.0), 1: _state("load", 99.0, since=50.0)}
+    assert dog.verdict(states, now=100.0) is None  # 90 s in Horovod's init: still starting
+    assert "rank 0" in (dog.verdict(states, now=10.0 + 181.0) or "")
