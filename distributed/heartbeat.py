@@ -221,11 +221,18 @@ class BeatClient:
 
     def _connect(self, budget_s: float = 30.0) -> None:
         deadline = time.time() + budget_s
-        while self._sock is None and time.time() < deadline and not self._stop.is_set():
+        while self._sock is None and time.time() < deadline and not self._stop.is_set():  # bounded
             try:
-                self._sock = socket.create_connection(self.addr, timeout=10.0)
+                sock = socket.create_connection(self.addr, timeout=10.0)
             except OSError:
                 time.sleep(0.5)
+                continue
+            # unacknowledged beats for this long (a cut link) make the next send fail, so a rank cut
+            # off from its launcher stops instead of waiting out TCP's ~15-minute retransmissions
+            user_timeout_ms = int(float(os.environ.get("MEDSEG_BEAT_TIMEOUT_S", "60")) * 1000)
+            if hasattr(socket, "TCP_USER_TIMEOUT"):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, user_timeout_ms)
+            self._sock = sock
         if self._sock is None:
             log.warning("rank %d: cannot reach the launcher's heartbeat endpoint %s", self.rank, self.addr)
 
@@ -237,6 +244,18 @@ class BeatClient:
         self.phase = phase
         self.send({"ev": "alive"})
 
+    def _lost(self) -> None:
+        """The launcher is gone (stopped the job, died, or this site is cut off): stop this rank.
+
+        Ranks started over ssh are not ended when the launcher kills its ssh clients (no terminal,
+        no hang-up signal), so without this they would train on alone and write checkpoints into a
+        job that no longer exists.
+        """
+        if self.phase == "done" or self._stop.is_set():
+            return
+        log.error("rank %d: lost the launcher at %s:%d; stopping this rank", self.rank, *self.addr)
+        os._exit(3)
+
     def send(self, record: dict[str, Any]) -> None:
         if self.addr is None:
             return
@@ -246,8 +265,9 @@ class BeatClient:
         with self._lock:
             for _ in range(2):
                 if self._sock is None:
-                    self._connect(budget_s=2.0)
+                    self._connect(budget_s=5.0)
                     if self._sock is None:
+                        self._lost()
                         return
                 try:
                     self._sock.sendall(data)

@@ -113,6 +113,7 @@ def launch(
     beat_host = os.environ.get("MEDSEG_BEAT_HOST") or ("127.0.0.1" if single_host else socket.getfqdn())
     env = dict(os.environ, **{WORKER_ENV: "1", "PYTHONUNBUFFERED": "1"})
     env[BEAT_ADDR_ENV] = f"{beat_host}:{beats.port}"
+    env["MEDSEG_BEAT_TIMEOUT_S"] = str(int(timeout) + 30)  # a rank cut off from the launcher stops after this
     env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = "0"
     env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(timeout) + 60))
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")  # N copies of library noise
