@@ -83,16 +83,14 @@ def predict(
     model = bundle.model.to(device)
     if cfg.task == "segmentation":
         check_fits(estimate(cfg, image, len(bundle.labels)), str(image.meta.get("filename_or_obj", "input")))
-    pre = tf.preprocess(cfg)
-    data = pre({"image": image})
     if cfg.task == "classification":
-        x = data["image"][None].to(device)
+        x = tf.preprocess(cfg)({"image": image})["image"][None].to(device)
         probs = torch.softmax(model(x.as_tensor()).float(), 1)[0].cpu()
         if progress:
             progress(1.0)
         return Prediction(None, {bundle.labels[i]: float(p) for i, p in enumerate(probs)})
 
-    label = segment(model, cfg, data, image, device, progress)[None]
+    label = segment(model, cfg, image, device, progress)[None]
     label = MetaTensor(label, affine=image.affine, meta=dict(image.meta))
     if tuple(label.shape[1:]) != tuple(image.shape[1:]):  # pragma: no cover - invert_argmax guarantees this
         raise RuntimeError(

@@ -34,7 +34,14 @@ from monai.inferers import sliding_window_inference
 
 from medseg.config import Config
 from medseg.errors import DataError
-from medseg.resample import SLAB_BYTES, invert_argmax, resample_threads, voxel_map
+from medseg.resample import (
+    SLAB_BYTES,
+    as_axis_map,
+    invert_argmax,
+    resample_threads,
+    resample_to_model,
+    voxel_map,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +90,10 @@ def estimate(
 
     Per phase, beyond the loaded input (``4 N_in`` bytes as float32):
 
-    - preprocessing: orientation may copy the input (``4 N_in``); ``Spacingd``'s ``affine_grid`` holds
-      a homogeneous base grid and the sampling grid (``16 + 12`` bytes per model voxel), its output and
-      the windowed copy (``4 + 4``);
+    - preprocessing (:func:`model_input`): one slab of float64 work (``SLAB_BYTES / 2``), the model
+      input and its windowed copy (``4 + 4`` bytes per model voxel); for a map that is not
+      axis-aligned, MONAI's transforms: an oriented copy and a float64 copy of the input (``12 N_in``)
+      and ``affine_grid``'s grids (``56`` bytes per model voxel, float64);
     - sliding window: model input ``4 N_m``, accumulators ``(C + 1) N_m`` of ``accumulate`` dtype, the
       windows of one batch;
     - inversion: the probabilities (``C N_m`` accumulate-size bytes), the uint8 labels ``N_in`` and
@@ -95,13 +103,25 @@ def estimate(
     n_in = int(np.prod(image.shape[1:4]))
     n_m = int(np.prod(model_grid_shape(cfg, image)))
     patch = int(np.prod(cfg.transforms.patch))
+    aligned = _axis_aligned(cfg, image)
     windows = cfg.infer.sw_batch_size * patch * (classes + 1) * 4 * 8  # patch batch and activations
     return MemoryEstimate(
         input_bytes=int(image.element_size() * image.numel()),
-        preprocess_bytes=4 * n_in + 36 * n_m,
+        preprocess_bytes=SLAB_BYTES // 2 + 8 * n_m if aligned else 12 * n_in + 64 * n_m,
         window_bytes=4 * n_m + acc * (classes + 1) * n_m + windows,
         invert_bytes=acc * classes * n_m + 2 * n_in + SLAB_BYTES,
     )
+
+
+def _axis_aligned(cfg: Config, image: MetaTensor) -> bool:
+    """Whether the input-to-model voxel map is a scaled permutation (then no MONAI copies are made).
+
+    Orientation permutes and flips axes and Spacing rescales them keeping their directions, so the
+    map is a scaled permutation whenever the input's axes are orthogonal (oblique ones included).
+    """
+    affine = np.asarray(image.affine, dtype=np.float64)[:3, :3]
+    cols = affine / np.linalg.norm(affine, axis=0)
+    return bool(np.allclose(cols.T @ cols, np.eye(3), atol=1e-6))
 
 
 def available_bytes() -> int:
@@ -131,24 +151,13 @@ def available_bytes() -> int:
     return avail if avail is not None else 1 << 62
 
 
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return 0
-
-
 def check_fits(est: MemoryEstimate, name: str, available: int | None = None) -> None:
     """Raise DataError when the predicted peak exceeds what this process can still allocate.
 
-    The input and the libraries are already resident, so only the peak beyond the current RSS must
-    fit into ``available`` (default :func:`available_bytes`).
+    The input and the libraries are already resident, so only what the prediction allocates beyond
+    them must fit into ``available`` (default :func:`available_bytes`).
     """
-    need = est.peak_bytes - max(_rss_bytes(), est.base_bytes + est.input_bytes)
+    need = est.peak_bytes - est.base_bytes - est.input_bytes
     avail = available_bytes() if available is None else available
     log.debug(
         "predicted peak %.2f GB, %.2f GB more needed, %.2f GB available",
@@ -164,21 +173,49 @@ def check_fits(est: MemoryEstimate, name: str, available: int | None = None) -> 
         )
 
 
+def model_input(cfg: Config, image: MetaTensor) -> tuple[torch.Tensor, np.ndarray]:
+    """The network's input (1, X, Y, Z) float32 and its affine, as :func:`medseg.transforms.preprocess` makes them.
+
+    The geometry (model-grid shape and affine) comes from MONAI's own ``Orientation`` and ``Spacing``
+    run lazily on a zero-stride stand-in, so it is theirs exactly; the samples come from
+    :func:`medseg.resample.resample_to_model` (float64 like ``Spacing``, in slabs, no copy of the input)
+    and are windowed by MONAI's ``ScaleIntensityRange``. A map that is not axis-aligned falls back to
+    MONAI's transforms.
+    """
+    from monai import transforms as mt
+
+    from medseg import transforms as tf
+
+    t = cfg.transforms
+    stub = MetaTensor(torch.zeros(1, 1, 1, 1).expand(*image.shape), affine=image.affine)
+    lazy = mt.Spacing(pixdim=t.spacing, mode="bilinear", lazy=True)(
+        mt.Orientation(axcodes="RAS", lazy=True)(stub)
+    )
+    affine = np.asarray(lazy.peek_pending_affine(), dtype=np.float64)
+    shape = tuple(int(n) for n in lazy.peek_pending_shape())
+    m = voxel_map(np.asarray(image.affine, dtype=np.float64), affine)
+    if as_axis_map(m) is None:
+        data = tf.preprocess(cfg)({"image": image})["image"]
+        return data.as_tensor(), np.asarray(data.affine, dtype=np.float64)
+    x = resample_to_model(image.as_tensor() if isinstance(image, MetaTensor) else image, m, shape)
+    window = mt.ScaleIntensityRange(a_min=t.window[0], a_max=t.window[1], b_min=0.0, b_max=1.0, clip=True)
+    x = window(x)
+    return (x.as_tensor() if isinstance(x, MetaTensor) else x), affine
+
+
 @torch.no_grad()
 def segment(
     model: torch.nn.Module,
     cfg: Config,
-    data: dict,
     image: MetaTensor,
     device: torch.device,
     progress: Callable[[float], None] | None = None,
     accumulate: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Labels (I, J, K) uint8 on ``image``'s grid from the preprocessed ``data["image"]``; see module doc."""
+    """Labels (I, J, K) uint8 on ``image``'s grid; see the module docstring for the steps."""
     acc = accumulate or ACCUMULATE_DTYPE
-    x = data["image"][None].to(device)
-    model_affine = np.asarray(data["image"].affine, dtype=np.float64)
-    data.pop("image")  # the model-grid input lives on in ``x`` only
+    x, model_affine = model_input(cfg, image)
+    x = x[None].to(device)
     if acc != torch.float32:
         x = x.to(acc)
 

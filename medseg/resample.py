@@ -28,6 +28,15 @@ Equivalences used
 - The argmax at the model grid followed by a nearest-label resample is *not* equivalent (it gives
   other borders), so it is not used.
 
+The forward direction
+---------------------
+``Spacingd`` resamples in float64 (its default ``dtype``): it copies the whole input to float64 and,
+for a stored-LPS CT, ``Orientationd`` copies it once more first. :func:`resample_to_model` computes
+the same trilinear samples (border padding) in float64 slab by slab, straight from the input as
+stored (any dtype, never copied whole), and rounds them to float32 as ``Spacingd`` does. The
+float64 results differ from ``grid_sample``'s by about 1e-16 relative, so the float32 model input
+is equal but for an occasional last-bit rounding; the label tests compare the end result.
+
 An ``M`` that is not a scaled permutation (a sheared input affine) falls back to the same slabbed
 evaluation of (1) with ``torch.nn.functional.grid_sample`` and the full 3x4 map.
 """
@@ -81,7 +90,9 @@ def as_axis_map(m: np.ndarray, tol: float = 1e-6) -> AxisMap | None:
     )
 
 
-def _axis_weights(n_out: int, n_src: int, scale: float, offset: float) -> tuple[torch.Tensor, ...]:
+def _axis_weights(
+    n_out: int, n_src: int, scale: float, offset: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, ...]:
     """Lower/upper source index and weight of the upper one for each of ``n_out`` output indices.
 
     Coordinates are clamped to ``[0, n_src - 1]`` (``grid_sample``'s border padding, as Spacingd).
@@ -89,18 +100,24 @@ def _axis_weights(n_out: int, n_src: int, scale: float, offset: float) -> tuple[
     u = torch.arange(n_out, dtype=torch.float64) * scale + offset
     u = u.clamp(0.0, float(n_src - 1))
     lo = u.floor()
-    w = (u - lo).to(torch.float32)
+    w = (u - lo).to(dtype)
     lo_i = lo.long()
     hi_i = (lo_i + 1).clamp(max=n_src - 1)
     return lo_i, hi_i, w
 
 
 def _lerp_axis(
-    x: torch.Tensor, dim: int, lo: torch.Tensor, hi: torch.Tensor, w: torch.Tensor
+    x: torch.Tensor,
+    dim: int,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    w: torch.Tensor,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Linear interpolation of ``x`` along ``dim`` at the given index pairs and weights."""
-    a = x.index_select(dim, lo)
-    b = x.index_select(dim, hi)
+    """Linear interpolation of ``x`` along ``dim`` at the given index pairs and weights (in ``w``'s dtype)."""
+    dtype = dtype or w.dtype
+    a = x.index_select(dim, lo).to(dtype)
+    b = x.index_select(dim, hi).to(dtype)
     shape = [1] * x.ndim
     shape[dim] = -1
     return a.lerp_(b, w.view(shape))
@@ -151,6 +168,37 @@ def invert_argmax(
         del block
         if progress:
             progress(stop / n_i)
+    return out
+
+
+def resample_to_model(
+    image: torch.Tensor, m: np.ndarray, out_shape: tuple[int, int, int], budget: int = SLAB_BYTES // 2
+) -> torch.Tensor:
+    """``image`` (C, I, J, K), any dtype, trilinearly resampled (float64, border) onto ``out_shape``.
+
+    ``m`` maps output (model-grid) voxel indices to input voxel coordinates and must be a scaled
+    permutation (:func:`as_axis_map`). Returns (C, X, Y, Z) float32; works in slabs of output axis 0,
+    so that beyond the output only one slab's float64 work is alive.
+    """
+    amap = as_axis_map(m)
+    if amap is None:
+        raise ValueError("resample_to_model needs an axis-aligned map")
+    q = image.permute(0, *(1 + p for p in amap.perm))
+    axes = [
+        _axis_weights(n, q.shape[1 + a], amap.scale[a], amap.offset[a], torch.float64)
+        for a, n in enumerate(out_shape)
+    ]
+    c, (n_x, n_y, n_z) = image.shape[0], out_shape
+    out = torch.empty((c, n_x, n_y, n_z), dtype=torch.float32)
+    plane = c * q.shape[2] * q.shape[3] * 8 * 3
+    slab = max(1, budget // max(1, plane))
+    for start in range(0, n_x, slab):
+        stop = min(n_x, start + slab)
+        lo, hi, w = (t[start:stop] for t in axes[0])
+        block = _lerp_axis(q, 1, lo, hi, w, torch.float64)
+        block = _lerp_axis(block, 2, *axes[1])
+        block = _lerp_axis(block, 3, *axes[2])
+        out[:, start:stop] = block
     return out
 
 
