@@ -123,11 +123,25 @@ def _lerp_axis(
     return a.lerp_(b, w.view(shape))
 
 
+def argmax_first(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(0)`` as uint8, by a running maximum over classes (C passes, no int64 array).
+
+    Strictly greater replaces the running best, so ties go to the lowest class, as ``torch.argmax``.
+    """
+    best = x[0].clone()
+    idx = torch.zeros(x.shape[1:], dtype=torch.uint8)
+    for c in range(1, x.shape[0]):
+        idx.masked_fill_(x[c] > best, c)
+        torch.maximum(best, x[c], out=best)
+    return idx
+
+
 def slab_size(channels: int, plane_voxels: int, budget: int = SLAB_BYTES) -> int:
     """Input slices per slab so that about three ``C x slab`` float32 buffers fit in ``budget``."""
     return max(1, budget // max(1, 3 * 4 * channels * plane_voxels))
 
 
+@torch.no_grad()
 def invert_argmax(
     probs: torch.Tensor,
     m: np.ndarray,
@@ -142,7 +156,7 @@ def invert_argmax(
     """
     if probs.shape[0] > 256:
         raise ValueError(f"{probs.shape[0]} classes do not fit a uint8 label map")
-    probs = probs.float()
+    probs = probs.as_tensor() if hasattr(probs, "as_tensor") else probs  # a MetaTensor's data
     n_i, n_j, n_k = out_shape
     slab = slab or slab_size(probs.shape[0], n_j * n_k)
     out = torch.empty(out_shape, dtype=torch.uint8)
@@ -158,19 +172,22 @@ def invert_argmax(
     for start in range(0, n_i, slab):
         stop = min(n_i, start + slab)
         if amap is None:
-            block = _grid_sample_slab(probs, m, start, stop, n_j, n_k)
+            out[start:stop] = argmax_first(_grid_sample_slab(probs.float(), m, start, stop, n_j, n_k))
         else:
+            # Every gather is along dim 1 of a contiguous array (whole rows copied, index_select's fast
+            # case); the axes are rotated between steps and the labels rotated back at the end.
             lo, hi, w = (t[start:stop] for t in axes[0])
-            block = _lerp_axis(q, 1, lo, hi, w)
-            block = _lerp_axis(block, 2, *axes[1])
-            block = _lerp_axis(block, 3, *axes[2])
-        out[start:stop] = block.argmax(0).to(torch.uint8)
-        del block
+            block = _lerp_axis(q, 1, lo, hi, w)  # (C, s, Y, Z)
+            block = _lerp_axis(block.permute(0, 2, 1, 3).contiguous(), 1, *axes[1])  # (C, J, s, Z)
+            block = _lerp_axis(block.permute(0, 3, 1, 2).contiguous(), 1, *axes[2])  # (C, K, J, s)
+            out[start:stop] = argmax_first(block).permute(2, 1, 0)
+            del block
         if progress:
             progress(stop / n_i)
     return out
 
 
+@torch.no_grad()
 def resample_to_model(
     image: torch.Tensor, m: np.ndarray, out_shape: tuple[int, int, int], budget: int = SLAB_BYTES // 2
 ) -> torch.Tensor:
