@@ -445,15 +445,20 @@ def format_table(result: dict[str, Any]) -> str:
             cmp = e.get("vs_old") or e.get("vs_new")
             what = "old" if "vs_old" in e else "new"
             if cmp:
-                lab = f"{cmp['differing_voxels']} differ vs {what} (min Dice {cmp['min_dice']:.6f})"
+                lab = f"{cmp['differing_voxels']} differ vs {what} of {cmp['voxels']} (min Dice {cmp['min_dice']:.7f})"
             elif v == "old":
                 lab = "anchor"
             else:
                 lab = case.get("old_skipped", "—")
             gpu = f" (GPU {e['gpu_peak_bytes'] / GB:.2f})" if "gpu_peak_bytes" in e else ""
+            predicted = (
+                old_peak_bytes(int(np.prod(case["shape"])), case["classes"])
+                if v == "old"
+                else e["predicted_peak_bytes"]
+            )
             rows.append(
                 f"| {shape} | {case['classes']} | {v} | {e['peak_bytes'] / GB:.2f}{gpu} | "
-                f"{e['predicted_peak_bytes'] / GB:.2f} | {', '.join(f'{s:.1f}' for s in e['seconds'])} | "
+                f"{predicted / GB:.2f} | {', '.join(f'{s:.1f}' for s in e['seconds'])} | "
                 f"{pr} | {tr} | {lab} |"
             )
         if "old" not in case["variants"] and case.get("old_skipped"):
@@ -496,8 +501,8 @@ def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None, 
         "input and the prediction) with MALLOC_MMAP_THRESHOLD_=65536; time is the `predict` call, one column "
         "per round. `old` is the previous path (C probability maps inverted by `Invertd`, argmax after) "
         "measured in the same run; it is not run where its predicted peak exceeds the memory limit. "
-        "'predicted' is `medseg.predict_memory.estimate`, the figure `predict` checks before it starts."
-        + (f"\n\n{note}" if note else "")
+        "'predicted' is `medseg.predict_memory.estimate`, the figure `predict` checks before it starts "
+        "(for `old`, `old_peak_bytes`, fit to the issue's 5.5 GB)." + (f"\n\n{note}" if note else "")
     )
     publish(result, json_out, markdown, "infer", plot, check_targets(result), intro, format_table(result))
 
