@@ -193,6 +193,21 @@ def _sites(args: argparse.Namespace) -> None:
         print("removed: " + ("; ".join(removed) if removed else "nothing"))
 
 
+def _bench_infer(args: argparse.Namespace) -> None:
+    import torch
+
+    from medseg.bench_infer import bench_infer, check_targets, format_table, write_report
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu")
+    result = bench_infer(args.workdir, quick=args.quick, device=args.device, rounds=args.rounds)
+    write_report(result, args.json, args.markdown)
+    print(format_table(result))
+    for name, ok in check_targets(result):
+        print(f"{'met   ' if ok else 'MISSED'} {name}")
+    print(f"wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="medseg", description="MONAI 3D segmentation and classification: data, training, inference."
@@ -315,6 +330,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove every namespace, link, cgroup, process and file of the testbed (also half-made ones)",
     )
     s.set_defaults(func=_sites)
+
+    s = bench.add_parser(
+        "infer", help="predict's memory and time vs the previous path, synthetic CTs up to 512x512x1000"
+    )
+    s.add_argument("--quick", action="store_true", help="small volumes, one round (a minute or two)")
+    s.add_argument("--json", type=Path, required=True, help="write the results here")
+    s.add_argument("--markdown", type=Path, help="update this markdown file's infer section")
+    s.add_argument("--device", default="cpu", help="cpu or cuda")
+    s.add_argument("--rounds", type=int, default=2, help="timed rounds of old and new per case (default 2)")
+    s.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("runs/bench-infer"),
+        help="bundles and label maps of the benchmark",
+    )
+    s.set_defaults(func=_bench_infer)
 
     s = sub.add_parser("app", help="start the Streamlit viewer on localhost")
     s.add_argument(

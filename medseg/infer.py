@@ -2,9 +2,11 @@
 
 ``load_image`` reads a NIfTI file or a DICOM series folder into a channel-first MetaTensor in its
 own geometry. ``predict`` runs a bundle on it: preprocess (orient RAS, resample, window),
-sliding-window inference with Gaussian blending, softmax, then ``Invertd`` maps the class
-probabilities back through the preprocessing onto the input's grid, where they are argmax-ed.
-The label map therefore has the input's shape and affine.
+sliding-window inference with Gaussian blending, softmax, then the class probabilities are mapped
+back through the preprocessing onto the input's grid and argmax-ed there, slab by slab, so memory does
+not grow with the number of classes (:mod:`medseg.predict_memory`, :mod:`medseg.resample`). The label
+map has the input's shape and affine. The peak memory is predicted first; an input that cannot fit
+raises DataError.
 """
 
 from __future__ import annotations
@@ -19,14 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from monai.data import MetaTensor
-from monai.inferers import sliding_window_inference
-from monai.transforms import Invertd
 
 from medseg import transforms as tf
 from medseg.bundle import Bundle, load_bundle
 from medseg.datasets import checks
 from medseg.datasets.nifti import save_nifti
 from medseg.errors import DataError
+from medseg.predict_memory import check_fits, estimate, segment
 
 log = logging.getLogger(__name__)
 NIFTI_SUFFIXES = checks.NIFTI_SUFFIXES
@@ -84,42 +85,18 @@ def predict(
     cfg = bundle.config
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = bundle.model.to(device)
-    pre = tf.preprocess(cfg)
-    data = pre({"image": image})
-    x = data["image"][None].to(device)
+    if cfg.task == "segmentation":
+        check_fits(estimate(cfg, image, len(bundle.labels)), str(image.meta.get("filename_or_obj", "input")))
     if cfg.task == "classification":
+        x = tf.preprocess(cfg)({"image": image})["image"][None].to(device)
         probs = torch.softmax(model(x.as_tensor()).float(), 1)[0].cpu()
         if progress:
             progress(1.0)
         return Prediction(None, {bundle.labels[i]: float(p) for i, p in enumerate(probs)})
 
-    def forward(patch: torch.Tensor) -> torch.Tensor:
-        return model(patch.as_tensor() if isinstance(patch, MetaTensor) else patch)
-
-    inf = cfg.infer
-    use_amp = device.type == "cuda" and cfg.train.amp
-    with torch.autocast(device.type, enabled=use_amp):
-        logits = sliding_window_inference(
-            x,
-            cfg.transforms.patch,
-            inf.sw_batch_size,
-            forward,
-            overlap=inf.overlap,
-            mode=inf.mode,
-            progress=False,
-            sw_device=device,
-            device="cpu",
-        )
-    if progress:
-        progress(0.8)
-    probs = torch.softmax(logits.float(), 1)[0]
-    data["pred"] = MetaTensor(
-        probs, meta=data["image"].meta, applied_operations=data["image"].applied_operations
-    )
-    back = Invertd("pred", transform=pre, orig_keys="image", nearest_interp=False)(data)["pred"]
-    label = back.argmax(0, keepdim=True).to(torch.uint8)
-    label = MetaTensor(label.as_tensor(), affine=image.affine, meta=dict(image.meta))
-    if tuple(label.shape[1:]) != tuple(image.shape[1:]):  # pragma: no cover - Invertd guarantees this
+    label = segment(model, cfg, image, device, progress)[None]
+    label = MetaTensor(label, affine=image.affine, meta=dict(image.meta))
+    if tuple(label.shape[1:]) != tuple(image.shape[1:]):  # pragma: no cover - invert_argmax guarantees this
         raise RuntimeError(
             f"inverted prediction has shape {tuple(label.shape)} but the input has {tuple(image.shape)}"
         )

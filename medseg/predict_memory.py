@@ -1,0 +1,265 @@
+"""Segmentation inference whose memory does not grow with the number of classes, and its budget.
+
+:func:`segment` is the segmentation half of :func:`medseg.infer.predict`:
+
+1. sliding-window inference at the model grid with the bundle's window settings (``sw_batch_size``,
+   ``overlap``, Gaussian or constant blending); the blended logits accumulate in float32 at the model
+   grid (``C x N_model`` floats; ``N_model`` is about a tenth of a CT's voxels at 0.78 mm in-plane);
+2. softmax over classes in place, in chunks of the last axis (softmax is per voxel, so chunking
+   changes nothing);
+3. :func:`medseg.resample.invert_argmax`: the probabilities are interpolated onto the input grid and
+   arg-maxed slab by slab, so no ``C x N_input`` array ever exists (see that module for the maths and
+   the equivalence with ``Invertd`` + argmax).
+
+Accumulating in float16 would halve step 1's buffers (``ACCUMULATE_DTYPE``); it is not the default
+because the buffers are at the model grid and small next to the input, and float16 sums of Gaussian
+weighted logits change labels at near ties (``medseg bench infer`` counts them).
+
+:func:`estimate` predicts the peak resident memory of a prediction before it starts, and
+:func:`check_fits` turns an input that cannot fit into a :class:`medseg.errors.DataError` naming the
+numbers instead of an out-of-memory kill.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from monai.data import MetaTensor
+from monai.inferers import sliding_window_inference
+
+from medseg.config import Config
+from medseg.errors import DataError
+from medseg.resample import (
+    SLAB_BYTES,
+    as_axis_map,
+    invert_argmax,
+    resample_threads,
+    resample_to_model,
+    voxel_map,
+)
+
+log = logging.getLogger(__name__)
+
+#: dtype of the sliding-window accumulators (float32: labels equal to the reference path).
+ACCUMULATE_DTYPE = torch.float32
+#: Resident bytes of Python, torch and MONAI with a demo-sized model loaded (measured, rounded up).
+BASE_BYTES = 450 * 2**20
+GB = 2**30
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted peak resident bytes of one prediction, by phase (the input itself included)."""
+
+    input_bytes: int
+    preprocess_bytes: int
+    window_bytes: int
+    invert_bytes: int
+    base_bytes: int = BASE_BYTES
+
+    @property
+    def peak_bytes(self) -> int:
+        return (
+            self.base_bytes
+            + self.input_bytes
+            + max(self.preprocess_bytes, self.window_bytes, self.invert_bytes)
+        )
+
+
+def model_grid_shape(cfg: Config, image: MetaTensor) -> tuple[int, int, int]:
+    """Shape of the model grid: each input axis resampled from its spacing to ``transforms.spacing`` (RAS)."""
+    affine = np.asarray(image.affine, dtype=np.float64)[:3, :3]
+    spacing_in = np.linalg.norm(affine, axis=0)
+    ras_axis = np.argmax(np.abs(affine), axis=0)  # world axis each voxel axis runs along mostly
+    shape = [0, 0, 0]
+    for a, n in enumerate(image.shape[1:4]):
+        r = int(ras_axis[a])
+        shape[r] = max(1, math.ceil(n * spacing_in[a] / cfg.transforms.spacing[r]))
+    return shape[0], shape[1], shape[2]
+
+
+def estimate(
+    cfg: Config, image: MetaTensor, classes: int, accumulate: torch.dtype | None = None
+) -> MemoryEstimate:
+    """Peak memory of :func:`segment` on ``image``, in bytes, before any of it is allocated.
+
+    Per phase, beyond the loaded input (``4 N_in`` bytes as float32):
+
+    - preprocessing (:func:`model_input`): one slab of float64 work (``SLAB_BYTES / 2``), the model
+      input and its windowed copy (``4 + 4`` bytes per model voxel); for a map that is not
+      axis-aligned, MONAI's transforms: an oriented copy and a float64 copy of the input (``12 N_in``)
+      and ``affine_grid``'s grids (``56`` bytes per model voxel, float64);
+    - sliding window: model input ``4 N_m``, accumulators ``(C + 1) N_m`` of ``accumulate`` dtype, the
+      windows of one batch;
+    - inversion: the probabilities (``C N_m`` accumulate-size bytes), the uint8 labels ``N_in`` and
+      one slab's float32 work (``SLAB_BYTES``), plus the uint8 copy handed back.
+    """
+    acc = torch.finfo(accumulate or ACCUMULATE_DTYPE).bits // 8
+    n_in = int(np.prod(image.shape[1:4]))
+    n_m = int(np.prod(model_grid_shape(cfg, image)))
+    patch = int(np.prod(cfg.transforms.patch))
+    aligned = _axis_aligned(cfg, image)
+    windows = cfg.infer.sw_batch_size * patch * (classes + 1) * 4 * 8  # patch batch and activations
+    return MemoryEstimate(
+        input_bytes=int(image.element_size() * image.numel()),
+        preprocess_bytes=SLAB_BYTES // 2 + 8 * n_m if aligned else 12 * n_in + 64 * n_m,
+        window_bytes=4 * n_m + acc * (classes + 1) * n_m + windows,
+        invert_bytes=acc * classes * n_m + 2 * n_in + SLAB_BYTES,
+    )
+
+
+def _axis_aligned(cfg: Config, image: MetaTensor) -> bool:
+    """Whether the input-to-model voxel map is a scaled permutation (then no MONAI copies are made).
+
+    Orientation permutes and flips axes and Spacing rescales them keeping their directions, so the
+    map is a scaled permutation whenever the input's axes are orthogonal (oblique ones included).
+    """
+    affine = np.asarray(image.affine, dtype=np.float64)[:3, :3]
+    cols = affine / np.linalg.norm(affine, axis=0)
+    return bool(np.allclose(cols.T @ cols, np.eye(3), atol=1e-6))
+
+
+def available_bytes() -> int:
+    """Memory this process can still take: MemAvailable, capped by a cgroup limit when one is set."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        return 1 << 62
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = open(path).read().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:
+            used_path = path.replace("memory.max", "memory.current").replace(
+                "limit_in_bytes", "usage_in_bytes"
+            )
+            try:
+                used = int(open(used_path).read().strip())
+            except (OSError, ValueError):
+                used = 0
+            avail = min(avail or 1 << 62, int(limit) - used)
+    return avail if avail is not None else 1 << 62
+
+
+def check_fits(est: MemoryEstimate, name: str, available: int | None = None) -> None:
+    """Raise DataError when the predicted peak exceeds what this process can still allocate.
+
+    The input and the libraries are already resident, so only what the prediction allocates beyond
+    them must fit into ``available`` (default :func:`available_bytes`).
+    """
+    need = est.peak_bytes - est.base_bytes - est.input_bytes
+    avail = available_bytes() if available is None else available
+    log.debug(
+        "predicted peak %.2f GB, %.2f GB more needed, %.2f GB available",
+        est.peak_bytes / GB,
+        need / GB,
+        avail / GB,
+    )
+    if need > avail:
+        raise DataError(
+            f"{name}: inference would need about {est.peak_bytes / GB:.1f} GB at its peak "
+            f"({need / GB:.1f} GB more than now) but only {avail / GB:.1f} GB are available; "
+            "free memory, use a machine with more, or crop the volume to the region of interest"
+        )
+
+
+def model_input(cfg: Config, image: MetaTensor) -> tuple[torch.Tensor, np.ndarray]:
+    """The network's input (1, X, Y, Z) float32 and its affine, as :func:`medseg.transforms.preprocess` makes them.
+
+    The geometry (model-grid shape and affine) comes from MONAI's own ``Orientation`` and ``Spacing``
+    run lazily on a zero-stride stand-in, so it is theirs exactly; the samples come from
+    :func:`medseg.resample.resample_to_model` (float64 like ``Spacing``, in slabs, no copy of the input)
+    and are windowed by MONAI's ``ScaleIntensityRange``. A map that is not axis-aligned falls back to
+    MONAI's transforms.
+    """
+    from monai import transforms as mt
+
+    from medseg import transforms as tf
+
+    t = cfg.transforms
+    stub = MetaTensor(torch.zeros(1, 1, 1, 1).expand(*image.shape), affine=image.affine)
+    lazy = mt.Spacing(pixdim=t.spacing, mode="bilinear", lazy=True)(
+        mt.Orientation(axcodes="RAS", lazy=True)(stub)
+    )
+    affine = np.asarray(lazy.peek_pending_affine(), dtype=np.float64)
+    shape = tuple(int(n) for n in lazy.peek_pending_shape())
+    m = voxel_map(np.asarray(image.affine, dtype=np.float64), affine)
+    if as_axis_map(m) is None:
+        data = tf.preprocess(cfg)({"image": image})["image"]
+        return data.as_tensor(), np.asarray(data.affine, dtype=np.float64)
+    x = resample_to_model(image.as_tensor() if isinstance(image, MetaTensor) else image, m, shape)
+    window = mt.ScaleIntensityRange(a_min=t.window[0], a_max=t.window[1], b_min=0.0, b_max=1.0, clip=True)
+    x = window(x)
+    return (x.as_tensor() if isinstance(x, MetaTensor) else x), affine
+
+
+@torch.no_grad()
+def segment(
+    model: torch.nn.Module,
+    cfg: Config,
+    image: MetaTensor,
+    device: torch.device,
+    progress: Callable[[float], None] | None = None,
+    accumulate: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Labels (I, J, K) uint8 on ``image``'s grid; see the module docstring for the steps."""
+    acc = accumulate or ACCUMULATE_DTYPE
+    x, model_affine = model_input(cfg, image)
+    x = x[None].to(device)
+    if acc != torch.float32:
+        x = x.to(acc)
+
+    def forward(patch: torch.Tensor) -> torch.Tensor:
+        patch = patch.as_tensor() if isinstance(patch, MetaTensor) else patch
+        return model(patch.float()).to(acc)
+
+    inf = cfg.infer
+    use_amp = device.type == "cuda" and cfg.train.amp
+    with torch.autocast(device.type, enabled=use_amp):
+        logits = sliding_window_inference(
+            x,
+            cfg.transforms.patch,
+            inf.sw_batch_size,
+            forward,
+            overlap=inf.overlap,
+            mode=inf.mode,
+            progress=False,
+            sw_device=device,
+            device="cpu",
+        )
+    del x
+    logits = logits.as_tensor() if isinstance(logits, MetaTensor) else logits
+    probs = logits[0]
+    del logits
+    if probs.dtype != acc:
+        probs = probs.to(acc)
+    # Softmax over classes, in place, a few planes at a time (per voxel, so chunks change nothing).
+    plane = max(1, int(np.prod(probs.shape[1:3])))
+    step = max(1, (64 * 2**20) // (4 * probs.shape[0] * plane))
+    for chunk in probs.split(step, dim=-1):
+        chunk.copy_(torch.softmax(chunk.float(), 0))
+    if progress:
+        progress(0.8)
+    m = voxel_map(model_affine, np.asarray(image.affine, dtype=np.float64))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, resample_threads()))
+    try:
+        label = invert_argmax(
+            probs,
+            m,
+            tuple(image.shape[1:4]),
+            progress=(lambda f: progress(0.8 + 0.2 * f)) if progress else None,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    return label
