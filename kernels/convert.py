@@ -11,6 +11,7 @@ from monai.networks.layers.simplelayers import SkipConnection
 from torch import nn
 
 from medseg.kernels.blocks import (
+    refresh_invertibility,
     NORM_TYPES,
     FusedSegResBlock,
     FusedSequential,
@@ -203,6 +204,9 @@ def optimize_memory(model: nn.Module) -> MemoryReport:
     """
     report = MemoryReport()
     _walk(model, "", report, inplace_first=False)
+    if report.converted and not getattr(model, "_medseg_refresh_hook", None):
+        # one device-to-host transfer per forward for all layers' invertibility, not one per layer
+        model.__dict__["_medseg_refresh_hook"] = model.register_forward_pre_hook(refresh_invertibility)
     seen = set(report.converted) | set(report.skipped)
     for name, mod in model.named_modules():
         if isinstance(mod, NORM_TYPES) and name not in seen:

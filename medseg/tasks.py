@@ -24,14 +24,20 @@ def _finite(x: float) -> float | None:
 
 
 class SegmentationTask:
-    """Voxel-wise classes; DiceCE loss; Dice and 95th-percentile Hausdorff distance per class."""
+    """Voxel-wise classes; DiceCE loss (fused with train.memory=fused); Dice and 95th-percentile Hausdorff distance per class."""
 
     key_metric = "val_dice"
 
     def __init__(self, cfg: Config, labels: dict[int, str]) -> None:
         self.cfg, self.labels = cfg, labels
         self.num_classes = len(labels)
-        self.loss = DiceCELoss(to_onehot_y=True, softmax=True)
+        # train.memory=fused: the same loss without its full-resolution softmax/one-hot/log-softmax maps.
+        if cfg.train.memory == "fused":
+            from medseg.kernels.loss import FusedDiceCELoss
+
+            self.loss: torch.nn.Module = FusedDiceCELoss()
+        else:
+            self.loss = DiceCELoss(to_onehot_y=True, softmax=True)
 
     def targets(self, batch: dict[str, Any], device: torch.device) -> torch.Tensor:
         return batch["label"].to(device)
