@@ -11,7 +11,6 @@ from monai.networks.layers.simplelayers import SkipConnection
 from torch import nn
 
 from medseg.kernels.blocks import (
-    refresh_invertibility,
     NORM_TYPES,
     FusedSegResBlock,
     FusedSequential,
@@ -22,6 +21,7 @@ from medseg.kernels.blocks import (
     PartsUnetUpBlock,
     describe,
     inner_conv,
+    refresh_invertibility,
     splittable_conv,
 )
 from medseg.kernels.functions import NOT_INVERTIBLE, NormActSpec

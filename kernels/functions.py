@@ -106,7 +106,9 @@ def param_versions(*tensors: torch.Tensor | None) -> tuple[int, ...]:
     return tuple(-1 if t is None else t._version for t in tensors)
 
 
-def invertibility(sites: list[tuple[NormActSpec, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]) -> list[bool]:
+def invertibility(
+    sites: list[tuple[NormActSpec, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]],
+) -> list[bool]:
     """:func:`_invertible` for many layers with one device-to-host transfer instead of one per layer."""
     decided = [_invertible_on_device(*site) for site in sites]
     pending = [d for d in decided if isinstance(d, torch.Tensor)]

@@ -80,7 +80,12 @@ class DiceCEReference:
 
     @staticmethod
     def backward(
-        x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, e: torch.Tensor, grad_in: torch.Tensor
+        x: torch.Tensor,
+        y: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        e: torch.Tensor,
+        grad_in: torch.Tensor,
     ) -> None:
         yl = y.long()[:, None]
         p = torch.softmax(x, dim=1)
@@ -194,11 +199,19 @@ class FusedDiceCELoss(nn.Module):
             raise ValueError(f"logits must be (N, C, *spatial), got {tuple(logits.shape)}")
         c = logits.shape[1]
         if c < 2:
-            raise NotImplementedError("FusedDiceCELoss needs C >= 2 softmax channels (MONAI uses BCE for C = 1)")
+            raise NotImplementedError(
+                "FusedDiceCELoss needs C >= 2 softmax channels (MONAI uses BCE for C = 1)"
+            )
         logits = logits.as_subclass(torch.Tensor) if type(logits) is not torch.Tensor else logits
         labels = label_tensor(target, c)
         if labels.shape[1] != logits[0, 0].numel() or labels.shape[0] != logits.shape[0]:
             raise ValueError(f"target {tuple(target.shape)} does not match logits {tuple(logits.shape)}")
         return _FusedDiceCE.apply(
-            logits, labels, self.include_background, self.lambda_dice, self.lambda_ce, self.smooth_nr, self.smooth_dr
+            logits,
+            labels,
+            self.include_background,
+            self.lambda_dice,
+            self.lambda_ce,
+            self.smooth_nr,
+            self.smooth_dr,
         )

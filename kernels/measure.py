@@ -299,7 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     result = measure(
-        args.net, args.variant, args.patch, args.batch, args.steps, torch.device(args.device), args.width,
+        args.net,
+        args.variant,
+        args.patch,
+        args.batch,
+        args.steps,
+        torch.device(args.device),
+        args.width,
         args.classes,
     )
     if args.variant == "fused":

@@ -12,7 +12,10 @@ from medseg.kernels import loss as fused_loss
 from medseg.kernels import native
 from medseg.kernels.loss import DiceCEReference, FusedDiceCELoss
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
 TOL = {torch.float64: 1e-9, torch.float32: 1e-5}
 
 

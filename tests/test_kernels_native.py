@@ -272,7 +272,9 @@ def _cuda_include() -> Path | None:
     return None
 
 
-@pytest.mark.skipif(shutil.which("c++") is None or _cuda_include() is None, reason="no C++ compiler or CUDA headers")
+@pytest.mark.skipif(
+    shutil.which("c++") is None or _cuda_include() is None, reason="no C++ compiler or CUDA headers"
+)
 @pytest.mark.parametrize("source", ["norm_act_cpu.cpp", "dice_ce_cpu.cpp"])
 def test_cuda_host_glue_compiles(source):
     """The ``#ifdef MEDSEG_WITH_CUDA`` host code (guards, streams, launcher calls) type-checks against
@@ -281,8 +283,20 @@ def test_cuda_host_glue_compiles(source):
 
     from torch.utils import cpp_extension
 
-    includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"], str(_cuda_include()), str(CSRC)]
-    cmd = ["c++", "-fsyntax-only", "-std=c++17", "-fopenmp", "-DMEDSEG_WITH_CUDA", "-DTORCH_EXTENSION_NAME=medseg_check"]
+    includes = [
+        *cpp_extension.include_paths(),
+        sysconfig.get_paths()["include"],
+        str(_cuda_include()),
+        str(CSRC),
+    ]
+    cmd = [
+        "c++",
+        "-fsyntax-only",
+        "-std=c++17",
+        "-fopenmp",
+        "-DMEDSEG_WITH_CUDA",
+        "-DTORCH_EXTENSION_NAME=medseg_check",
+    ]
     cmd += [f"-I{p}" for p in includes] + [str(CSRC / source)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
