@@ -19,7 +19,8 @@ per variant, because peak memory is only honest in a fresh process (docs/design.
   step's peak, and the phase that sets it says what the rest of the peak is (``breakdown``):
   saved maps, the loss's transient maps, parameter gradient buffers (exact, from the parameters),
   and what remains: convolution workspace (oneDNN's reorders and scratch, which depend on the
-  CPU's instruction set), logits and their gradient, and allocator slack.
+  CPU's instruction set), the logits' gradient, and allocator slack. In backward, saved maps are freed as gradients appear, so the split is
+  an upper bound on what is saved at the peak's instant.
 
 The variant ``fused`` uses :class:`medseg.kernels.loss.FusedDiceCELoss` (what ``train.memory:
 fused`` trains with); the other variants MONAI's ``DiceCELoss(to_onehot_y=True, softmax=True)``.
@@ -269,8 +270,8 @@ def measure(
         # what the loss needs while it runs beyond the maps kept for backward (its temporaries)
         "loss_transient": max(phases["loss"] - net_saved - loss_saved, 0),
         "param_grads": grads,
-        "logits_and_grad": 2 * logits,
-        "workspace_and_allocator": max(peak - net_saved - loss_saved - grads - 2 * logits, 0),
+        "logits_grad": logits,  # the loss's gradient w.r.t. the logits, alive at the start of backward
+        "workspace_and_allocator": max(peak - net_saved - loss_saved - grads - logits, 0),
     }
     return {
         "saved_bytes": net_saved,
