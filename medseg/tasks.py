@@ -7,6 +7,7 @@ geometry through the same inference path users run.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -17,6 +18,8 @@ from monai.metrics import DiceMetric, HausdorffDistanceMetric, ROCAUCMetric
 from monai.networks.utils import one_hot
 
 from medseg.config import Config
+
+log = logging.getLogger(__name__)
 
 
 def _finite(x: float) -> float | None:
@@ -36,6 +39,7 @@ class SegmentationTask:
             from medseg.kernels.loss import FusedDiceCELoss
 
             self.loss: torch.nn.Module = FusedDiceCELoss()
+            log.info("train.memory=fused: fused Dice+CE loss (no softmax/one-hot maps kept)")
         else:
             self.loss = DiceCELoss(to_onehot_y=True, softmax=True)
 

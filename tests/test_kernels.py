@@ -15,10 +15,6 @@ from medseg.kernels import dispatch, optimize_memory
 from medseg.kernels.blocks import describe, norm_act, norm_act_conv
 from medseg.kernels.functions import replayable_backward
 from medseg.kernels.measure import saved_bytes
-from medseg.runlog import read_metrics
-from medseg.train import train
-
-from .conftest import tiny_seg_config
 
 NORMS = {
     "instance": lambda: nn.InstanceNorm3d(4),
@@ -361,12 +357,19 @@ def test_converted_weights_load_into_the_plain_network():
 @pytest.mark.slow
 def test_training_with_fused_memory_reaches_the_same_dice(seg_data, seg_run, tmp_path, caplog):
     """The tiny demo run with ``train.memory: fused`` against the same run unfused (``seg_run``)."""
+    # imported here so that the CUDA-only selection (scripts/gpu_check.sh) needs no training stack
+    from medseg.runlog import read_metrics
+    from medseg.train import train
+
+    from .conftest import tiny_seg_config
+
     caplog.set_level(logging.INFO, logger="medseg")
     fused = train(tiny_seg_config(seg_data, tmp_path, name="tiny-fused", memory="fused"), progress=False)
     plain = read_metrics(seg_run.run_dir / "metrics.jsonl")
     ours = read_metrics(fused.run_dir / "metrics.jsonl")
     assert len(ours) == len(plain)
     assert abs(ours[-1]["val_dice"] - plain[-1]["val_dice"]) <= 0.01, (ours[-1], plain[-1])
+    assert "fused Dice+CE loss" in caplog.text
     assert (
         "train.memory=fused" in caplog.text
         and "fused 6 norm layers, split 2 skip concatenations, left 0" in caplog.text
