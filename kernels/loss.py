@@ -128,6 +128,8 @@ class _FusedDiceCE(torch.autograd.Function):
         x = logits.contiguous().view(logits.shape[0], logits.shape[1], -1)
         n, c, s = x.shape
         stats, ce_sum = ops_for(x).forward(x, labels)
+        if ce_sum.dim() == 2:  # native: (Σ CE, labels outside [0, C)); label_tensor() already checked them
+            ce_sum = ce_sum[:, 0]
         include = torch.ones(c, dtype=torch.float64, device=x.device)
         if not include_background:
             include[0] = 0
