@@ -203,7 +203,7 @@ def optimize_memory(model: nn.Module) -> MemoryReport:
 
     Converted: MONAI ``UNet`` (ADN blocks), ``SegResNet`` (``ResBlock`` and the final
     norm-act-conv), ``DynUNet`` (``UnetBasicBlock``/``UnetResBlock``), and any ``nn.Sequential`` with a
-    norm directly followed by a supported activation. Convolutions with fewer than 16 input channels
+    norm directly followed by a supported activation. Convolutions with at most 4 input channels
     (the network's first) run in depth slabs on CPU (``slab.py``). Parameter names, and so state_dicts,
     checkpoints and exported bundles, are unchanged. Every norm layer appears in the report, either
     as converted or as skipped with the reason.

@@ -16,7 +16,7 @@ the zero-padded input (kernel halo included), so only one slab's blocked copy ex
               ∂x = the padded gradient cropped;  ∂b = Σ ∂y over (N, spatial)
 
 Exact up to the order of the weight-gradient sum. Saves x (the network's input, held by the caller
-anyway), not the padded copy. Used by ``optimize_memory`` for convolutions with fewer than 16 input
+anyway), not the padded copy. Used by ``optimize_memory`` for convolutions with at most 4 input
 channels, no groups and numeric zero padding; ``SlabConv`` is swapped in as the module's class, so
 parameter names are unchanged.
 """
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_IN_CHANNELS = 15  # below one AVX-512 oneDNN channel block
+MAX_IN_CHANNELS = 4  # padded to a 16-channel block: 4x or more; wider inputs lose more to the copy
 SLAB_VOXELS = 2**15  # output voxels (batch included) per slab at least; at most MAX_SLABS slabs
 MAX_SLABS = 4
 
