@@ -1,5 +1,10 @@
 """``medseg bench memory``: activation memory and step time of UNet, SegResNet and DynUNet variants.
 
+Cases are networks with 3 classes (medseg's defaults; ``--quick`` halves their channels) plus
+``unet-14cls``: UNet at the default width with 14 classes (BTCV's labels), where the loss's maps are
+a visible share of the peak. ``fused`` means fused norm+activation layers *and* the fused Dice+CE
+loss (``train.memory: fused``); the other variants train with MONAI's ``DiceCELoss``.
+
 Every (net, variant) pair is measured in its own process by :mod:`medseg.kernels.measure` (a fresh
 allocator is the only honest peak). Ratios are against ``baseline`` from the same run. The largest
 cubic patch within a memory budget is predicted from the measured peak (activation memory grows
@@ -17,21 +22,30 @@ import time
 from pathlib import Path
 from typing import Any
 
-from medseg.kernels.measure import NETS, VARIANTS
+from medseg.kernels.measure import VARIANTS
 from medseg.report import publish
 
 log = logging.getLogger(__name__)
 
 TARGET_PEAK = 0.6  # fused peak / baseline peak
+TARGET_PEAK_MANY = 0.45  # the same on the many-class case
+# case -> (network, classes, width or None for the run's width)
+CASES: dict[str, tuple[str, int, float | None]] = {
+    "unet": ("unet", 3, None),
+    "segresnet": ("segresnet", 3, None),
+    "dynunet": ("dynunet", 3, None),
+    "unet-14cls": ("unet", 14, 1.0),
+}
 TARGET_TIME = 1.10  # fused step time / baseline step time
 
 
 def _run_variant(
-    net: str, variant: str, patch: int, batch: int, steps: int, device: str, timeout_s: float, width: float
+    case: str, variant: str, patch: int, batch: int, steps: int, device: str, timeout_s: float, width: float
 ) -> dict[str, Any]:
+    net, classes, case_width = CASES[case]
     cmd = [sys.executable, "-m", "medseg.kernels.measure", "--net", net, "--variant", variant]
     cmd += ["--patch", str(patch), "--batch", str(batch), "--steps", str(steps), "--device", device]
-    cmd += ["--width", str(width)]
+    cmd += ["--width", str(case_width or width), "--classes", str(classes)]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # see docs/design.md: honest CPU peaks
     t0 = time.monotonic()
     try:
@@ -56,7 +70,7 @@ def largest_patch(peak_bytes: float, patch: int, budget_bytes: float, multiple: 
 def bench_memory(
     quick: bool = False,
     device: str = "cpu",
-    nets: tuple[str, ...] = NETS,
+    nets: tuple[str, ...] = tuple(CASES),
     variants: tuple[str, ...] | None = None,
     batch: int = 2,
     steps: int = 5,
@@ -71,6 +85,9 @@ def bench_memory(
         variants = tuple(v for v in VARIANTS if not (quick and v == "compile"))
     timeout_s = 900.0 if quick else 3600.0
     out: dict[str, Any] = {"nets": {}, "patch": patch, "width": width, "batch": batch, "steps": steps}
+    out["cases"] = {
+        c: {"net": CASES[c][0], "classes": CASES[c][1], "width": CASES[c][2] or width} for c in nets
+    }
     out["device"] = device
     budget_gb = budget_gb or (1.0 if quick else 8.0)
     out["quick"], out["budget_gb"], out["patches"] = quick, budget_gb, {}
@@ -109,6 +126,7 @@ def ratios(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
             v: {
                 "peak": r["peak_bytes"] / base["peak_bytes"],
                 "saved": r["saved_bytes"] / base["saved_bytes"],
+                "loss_saved": r.get("loss_saved_bytes", 0) / max(base.get("loss_saved_bytes", 0), 1),
                 "time": r["step_s"] / base["step_s"],
             }
             for v, r in variants.items()
@@ -118,16 +136,17 @@ def ratios(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
 
 
 def check_targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
+    """Peak and time targets per case, and fused against checkpointing on both time and peak."""
     checks = []
     for net, r in ratios(result).items():
         if "fused" not in r:
             continue
         f = r["fused"]
+        target = (
+            TARGET_PEAK_MANY if result.get("cases", {}).get(net, {}).get("classes", 3) > 3 else TARGET_PEAK
+        )
         checks.append(
-            (
-                f"{net}: fused peak {f['peak']:.2f}x baseline (target <= {TARGET_PEAK})",
-                f["peak"] <= TARGET_PEAK,
-            )
+            (f"{net}: fused peak {f['peak']:.2f}x baseline (target <= {target})", f["peak"] <= target)
         )
         checks.append(
             (
@@ -137,11 +156,18 @@ def check_targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
         )
         if "checkpoint" in r:
             c = r["checkpoint"]
+            faster, lower = f["time"] < c["time"], f["peak"] <= c["peak"]
+            verdict = (
+                "fused faster at a peak no higher"
+                if faster and lower
+                else "fused loses on "
+                + " and ".join(w for w, ok in (("time", faster), ("peak", lower)) if not ok)
+            )
             checks.append(
                 (
                     f"{net}: fused {f['time']:.2f}x vs checkpoint {c['time']:.2f}x time, "
-                    f"at peak {f['peak']:.2f}x vs {c['peak']:.2f}x (fused faster)",
-                    f["time"] < c["time"],
+                    f"peak {f['peak']:.2f}x vs {c['peak']:.2f}x: {verdict}",
+                    faster and lower,
                 )
             )
     return checks
@@ -150,14 +176,15 @@ def check_targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
 def format_table(result: dict[str, Any]) -> str:
     mb = 2**20
     rows = [
-        "| net | variant | saved MiB | peak MiB | peak ratio | step s | time ratio | largest patch |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| case | variant | net saved MiB | loss saved MiB | peak MiB | peak ratio | step s | time ratio "
+        "| largest patch |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     table = ratios(result)
     for net, variants in result["nets"].items():
         for v, r in variants.items():
             if "error" in r:
-                rows.append(f"| {net} | {v} | — | — | — | — | — | {r['error']} |")
+                rows.append(f"| {net} | {v} | — | — | — | — | — | — | {r['error']} |")
                 continue
             q = table.get(net, {}).get(v, {})
             size = result["patches"].get(net, {}).get(v, {})
@@ -165,8 +192,36 @@ def format_table(result: dict[str, Any]) -> str:
             if "fits" in size:
                 largest += " (measured: fits)" if size["fits"] else " (measured: over budget)"
             rows.append(
-                f"| {net} | {v} | {r['saved_bytes'] / mb:.0f} | {r['peak_bytes'] / mb:.0f} | "
-                f"{q.get('peak', float('nan')):.2f} | {r['step_s']:.2f} | {q.get('time', float('nan')):.2f} | {largest} |"
+                f"| {net} | {v} | {r['saved_bytes'] / mb:.0f} | {r.get('loss_saved_bytes', 0) / mb:.0f} | "
+                f"{r['peak_bytes'] / mb:.0f} | {q.get('peak', float('nan')):.2f} | {r['step_s']:.2f} | "
+                f"{q.get('time', float('nan')):.2f} | {largest} |"
+            )
+    return "\n".join(rows) + "\n\n" + format_breakdown(result)
+
+
+def format_breakdown(result: dict[str, Any]) -> str:
+    """Where each peak goes: phase peaks, and the peak split into saved maps and the rest."""
+    mb = 2**20
+    rows = [
+        "Peak breakdown (MiB). Phase peaks: forward / loss / backward / optimizer, each above the step's "
+        "start. The peak is split into maps saved for backward (network + loss), the loss's transient "
+        "maps (its phase peak beyond what is saved), parameter gradients (exact), the logits' "
+        "gradient, and the remainder: convolution workspace and allocator slack.",
+        "",
+        "| case | variant | fwd / loss / bwd / opt | peak in | saved | loss transient | param grads "
+        "| logits grad | workspace + allocator |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for net, variants in result["nets"].items():
+        for v, r in variants.items():
+            b, ph = r.get("breakdown"), r.get("phase_peaks")
+            if not b or not ph:
+                continue
+            phases = " / ".join(f"{ph[k] / mb:.0f}" for k in ("forward", "loss", "backward", "optimizer"))
+            rows.append(
+                f"| {net} | {v} | {phases} | {b['peak_phase']} | {b['saved'] / mb:.0f} | "
+                f"{b['loss_transient'] / mb:.0f} | {b['param_grads'] / mb:.0f} | {b['logits_grad'] / mb:.0f} | "
+                f"{b['workspace_and_allocator'] / mb:.0f} |"
             )
     return "\n".join(rows)
 
@@ -202,8 +257,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None) -> None:
     intro = (
         f"## Memory: `medseg bench memory{' --quick' if result['quick'] else ''}`\n\n"
-        f"Patch {result['patch']}³, channel width {result['width']}x medseg's defaults, batch {result['batch']}, "
-        f"DiceCE loss, AdamW, on {result['device']}; each variant in its own process; step time is the median "
+        f"Patch {result['patch']}³, channel width {result['width']}x medseg's defaults (unet-14cls: UNet at "
+        f"1.0x with 14 classes), batch {result['batch']}, "
+        f"DiceCE loss (fused: the fused Dice+CE loss, others: MONAI's DiceCELoss), AdamW, on "
+        f"{result['device']}; each variant in its own process; step time is the median "
         f"of {result['steps']} steps after warm-up. Peak is what one training step needs above the memory in "
         f"use before it (docs/design.md's CPU recipe: VmHWM with MALLOC_MMAP_THRESHOLD_=65536). Ratios are against "
         f"baseline in the same run. Largest patch: the largest multiple of 16 predicted to fit within "

@@ -11,7 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medseg.kernels.functions import ConvSpec, FusedNormAct, FusedNormActConv, NormActSpec
+from medseg.kernels.functions import (
+    ConvSpec,
+    FusedNormAct,
+    FusedNormActConv,
+    NormActSpec,
+    invertibility,
+    param_versions,
+)
 
 _INSTANCE = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 _BATCH = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -62,7 +69,36 @@ def norm_act(x: torch.Tensor, norm: nn.Module, act: nn.Module | None, spec: Norm
     weight, bias, rmean, rvar, nbt = _norm_tensors(norm)
     prelu = act.weight if isinstance(act, nn.PReLU) else None
     training = _uses_batch_stats(norm)
-    return FusedNormAct.apply(x, weight, bias, prelu, rmean, rvar, nbt, spec, training, inplace)
+    # Register the site for refresh_invertibility() (in __dict__: act must not become a child module),
+    # and use its decision while the parameters are the ones it was made for.
+    norm.__dict__["_medseg_site"] = (act, spec)
+    cached = norm.__dict__.get("_medseg_invertible")
+    invertible = cached[1] if cached and cached[0] == param_versions(weight, bias, prelu) else None
+    return FusedNormAct.apply(x, weight, bias, prelu, rmean, rvar, nbt, spec, training, inplace, invertible)
+
+
+def refresh_invertibility(model: nn.Module, _args: object = None) -> None:
+    """Decide every fused layer's "keep the output and invert it" in one device-to-host transfer.
+
+    A forward pre-hook of converted models (``optimize_memory``): without it each fused layer reads
+    its parameters' signs and magnitudes on the host, one CUDA sync per layer per step. Layers are
+    known from their first call, so the first step still decides per layer. A decision is used only
+    while the parameters' version counters are unchanged (an optimizer step invalidates it).
+    """
+    if not torch.is_grad_enabled():
+        return
+    sites, norms = [], []
+    for module in model.modules():
+        site = module.__dict__.get("_medseg_site")
+        if site is None:
+            continue
+        act, spec = site
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        prelu = act.weight if isinstance(act, nn.PReLU) else None
+        sites.append((spec, weight, bias, prelu))
+        norms.append((module, param_versions(weight, bias, prelu)))
+    for (module, versions), flag in zip(norms, invertibility(sites)):
+        module.__dict__["_medseg_invertible"] = (versions, flag)
 
 
 def inner_conv(module: nn.Module) -> nn.Module | None:

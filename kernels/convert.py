@@ -21,9 +21,11 @@ from medseg.kernels.blocks import (
     PartsUnetUpBlock,
     describe,
     inner_conv,
+    refresh_invertibility,
     splittable_conv,
 )
 from medseg.kernels.functions import NOT_INVERTIBLE, NormActSpec
+from medseg.kernels.slab import slice_narrow_convs
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ class MemoryReport:
     converted: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     replaced: dict[int, nn.Module] = field(default_factory=dict, repr=False)  # id(original) -> replacement
+    sliced: list[str] = field(default_factory=list)  # narrow-input convolutions run in depth slabs
 
     def format(self) -> str:
         cats = sum(path.endswith(".cat") for path in self.converted)
@@ -44,6 +47,9 @@ class MemoryReport:
         ]
         lines += [f"  fused   {path}: {how}" for path, how in self.converted.items()]
         lines += [f"  skipped {path}: {why}" for path, why in self.skipped.items()]
+        lines += [
+            f"  slabs   {path}: narrow input, run in depth slabs (kernels/slab.py)" for path in self.sliced
+        ]
         return "\n".join(lines)
 
 
@@ -197,12 +203,17 @@ def optimize_memory(model: nn.Module) -> MemoryReport:
 
     Converted: MONAI ``UNet`` (ADN blocks), ``SegResNet`` (``ResBlock`` and the final
     norm-act-conv), ``DynUNet`` (``UnetBasicBlock``/``UnetResBlock``), and any ``nn.Sequential`` with a
-    norm directly followed by a supported activation. Parameter names, and so state_dicts,
+    norm directly followed by a supported activation. Convolutions with at most 4 input channels
+    (the network's first) run in depth slabs on CPU (``slab.py``). Parameter names, and so state_dicts,
     checkpoints and exported bundles, are unchanged. Every norm layer appears in the report, either
     as converted or as skipped with the reason.
     """
     report = MemoryReport()
     _walk(model, "", report, inplace_first=False)
+    report.sliced = slice_narrow_convs(model)
+    if report.converted and not getattr(model, "_medseg_refresh_hook", None):
+        # one device-to-host transfer per forward for all layers' invertibility, not one per layer
+        model.__dict__["_medseg_refresh_hook"] = model.register_forward_pre_hook(refresh_invertibility)
     seen = set(report.converted) | set(report.skipped)
     for name, mod in model.named_modules():
         if isinstance(mod, NORM_TYPES) and name not in seen:

@@ -82,17 +82,38 @@ def replayable_backward() -> Iterator[None]:
 NOT_INVERTIBLE = ("relu", "elu")
 
 
-def _invertible(spec: NormActSpec, weight, bias, prelu) -> bool:
+def _invertible_on_device(spec: NormActSpec, weight, bias, prelu) -> torch.Tensor | bool:
+    """Whether the inverse is well conditioned: a 0-d bool tensor on the parameters' device, or a bool."""
     if spec.act in NOT_INVERTIBLE or (spec.act == "leaky_relu" and spec.param <= 0):
         return False
-    if spec.act == "prelu" and bool((prelu <= 0).any()):
-        return False
+    ok: torch.Tensor | bool = True
+    if spec.act == "prelu":
+        ok = (prelu.detach() > 0).all()
     if weight is not None:
         smallest = weight.detach().abs().min()
         largest_bias = bias.detach().abs().max() if bias is not None else weight.new_zeros(())
-        if smallest == 0 or largest_bias > _MAX_BIAS_RATIO * smallest:
-            return False
-    return True
+        ok = ok & (smallest != 0) & (largest_bias <= _MAX_BIAS_RATIO * smallest)
+    return ok
+
+
+def _invertible(spec: NormActSpec, weight, bias, prelu) -> bool:
+    """One layer's decision; on CUDA this reads a device value (a sync): see invertibility()."""
+    return bool(_invertible_on_device(spec, weight, bias, prelu))
+
+
+def param_versions(*tensors: torch.Tensor | None) -> tuple[int, ...]:
+    """Version counters of the parameters a decision depends on (an optimizer step bumps them)."""
+    return tuple(-1 if t is None else t._version for t in tensors)
+
+
+def invertibility(
+    sites: list[tuple[NormActSpec, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]],
+) -> list[bool]:
+    """:func:`_invertible` for many layers with one device-to-host transfer instead of one per layer."""
+    decided = [_invertible_on_device(*site) for site in sites]
+    pending = [d for d in decided if isinstance(d, torch.Tensor)]
+    values = iter(torch.stack(pending).tolist()) if pending else iter(())
+    return [bool(next(values)) if isinstance(d, torch.Tensor) else d for d in decided]
 
 
 def _statistics(x, spec, training, running_mean, running_var, num_batches):
@@ -127,11 +148,15 @@ class FusedNormAct(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
-    def forward(ctx, x, weight, bias, prelu, running_mean, running_var, num_batches, spec, training, inplace):
+    def forward(
+        ctx, x, weight, bias, prelu, running_mean, running_var, num_batches, spec, training, inplace,
+        invertible=None,
+    ):  # fmt: skip
         inplace = inplace and x.is_contiguous()
         x = x.contiguous()
         mean, invstd, stats_grad = _statistics(x, spec, training, running_mean, running_var, num_batches)
-        from_output = _invertible(spec, weight, bias, prelu)
+        # ``invertible``: decided beforehand for the whole model in one transfer (blocks.py); else here.
+        from_output = _invertible(spec, weight, bias, prelu) if invertible is None else invertible
         norm, act = spec.codes
         out = x if (inplace and from_output) else torch.empty_like(x)
         ops_for(x).forward(x, mean, invstd, weight, bias, norm, spec.num_groups, act, spec.param, prelu, out)
@@ -160,7 +185,7 @@ class FusedNormAct(torch.autograd.Function):
             torch.autograd.graph.increment_version(grad_in)
         return (grad_in if ctx.needs_input_grad[0] else None, *_act_grads(ctx, dweight, dbias, dprelu)) + (
             None,
-        ) * 6
+        ) * 7
 
 
 @dataclass(frozen=True)

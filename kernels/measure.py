@@ -12,7 +12,20 @@ per variant, because peak memory is only honest in a fresh process (docs/design.
 * GPU peak: ``max_memory_allocated()`` after ``reset_peak_memory_stats()``, minus the allocation
   before the step.
 * Saved bytes: the unique storages handed to autograd for backward (``saved_tensors_hooks``),
-  parameters excluded. Exact, but not the peak: backward's own buffers come on top.
+  parameters excluded. Exact, but not the peak: backward's own buffers come on top. Reported for
+  the network (``saved_bytes``) and for the loss alone (``loss_saved_bytes``).
+* Phase peaks: the same high-water mark, reset at the start of each phase of the measured step
+  (forward, loss, backward, optimizer), each above the step's starting memory. Their maximum is the
+  step's peak, and the phase that sets it says what the rest of the peak is (``breakdown``):
+  saved maps, the loss's transient maps, parameter gradient buffers (exact, from the parameters),
+  and what remains: convolution workspace (oneDNN's reorders and scratch, which depend on the
+  CPU's instruction set), the logits' gradient, and allocator slack. In backward, saved maps are freed as gradients appear, so the split is
+  an upper bound on what is saved at the peak's instant.
+
+The variant ``fused`` uses :class:`medseg.kernels.loss.FusedDiceCELoss` (what ``train.memory:
+fused`` trains with); the other variants MONAI's ``DiceCELoss(to_onehot_y=True, softmax=True)``.
+Labels are float (N, 1, *spatial) class maps of smooth blobs, as medseg's pipeline hands them over,
+with every class present.
 """
 
 from __future__ import annotations
@@ -34,8 +47,8 @@ VARIANTS = ("baseline", "fused", "checkpoint", "compile")
 NETS = ("unet", "segresnet", "dynunet")
 
 
-def build_net(net: str, patch: int, width: float = 1.0) -> nn.Module:
-    """The network medseg trains for ``net`` (its default config), 1 input channel, 3 classes.
+def build_net(net: str, patch: int, width: float = 1.0, classes: int = 3) -> nn.Module:
+    """The network medseg trains for ``net`` (its default config), 1 input channel, ``classes`` outputs.
 
     ``width`` scales every layer's channel count (the quick benchmark uses 0.5).
     """
@@ -46,7 +59,7 @@ def build_net(net: str, patch: int, width: float = 1.0) -> nn.Module:
     cfg = config_from_dict({"model": model, "transforms": {"patch": [patch] * 3, "spacing": [1.5] * 3}})
     cfg.model.channels = [max(int(c * width), 4) for c in cfg.model.channels]
     cfg.model.init_filters = max(int(cfg.model.init_filters * width), 8)
-    net_def = network_def(cfg, out_channels=3)
+    net_def = network_def(cfg, out_channels=classes)
     if net == "dynunet" and width != 1.0:  # MONAI's default DynUNet filters, scaled
         net_def["filters"] = [int(min(2 ** (5 + i), 320) * width) for i in range(len(net_def["strides"]))]
     return build_network(net_def)
@@ -69,11 +82,11 @@ def _checkpoint_blocks(model: nn.Module) -> int:
 
 
 def prepare(
-    net: str, variant: str, patch: int, device: torch.device, width: float = 1.0
+    net: str, variant: str, patch: int, device: torch.device, width: float = 1.0, classes: int = 3
 ) -> tuple[nn.Module, Callable]:
     """The model for ``variant`` and the callable that runs its forward pass."""
     torch.manual_seed(0)
-    model = build_net(net, patch, width).to(device).train()
+    model = build_net(net, patch, width, classes).to(device).train()
     forward: Callable = model
     if variant == "fused":
         from medseg.kernels import optimize_memory
@@ -93,6 +106,13 @@ def prepare(
 
 def saved_bytes(forward: Callable, params: list[torch.Tensor], x: torch.Tensor) -> int:
     """Bytes of the unique non-parameter storages autograd keeps from forward for backward."""
+    return saved_bytes_split(forward, params, x)[0]
+
+
+def saved_bytes_split(
+    forward: Callable, params: list[torch.Tensor], x: torch.Tensor, loss_fn: Callable | None = None, y=None
+) -> tuple[int, int]:
+    """(network, loss) saved bytes: storages first saved by the forward, then new ones saved by the loss."""
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     storages: dict[int, int] = {}
 
@@ -104,9 +124,19 @@ def saved_bytes(forward: Callable, params: list[torch.Tensor], x: torch.Tensor) 
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = forward(x)
+        net = sum(storages.values())
+        loss = loss_fn(out, y) if loss_fn is not None else None
     total = sum(storages.values())
-    del out
-    return total
+    del out, loss
+    return net, total - net
+
+
+def labels_like(batch: int, patch: int, classes: int, gen: torch.Generator) -> torch.Tensor:
+    """Float (N, 1, p, p, p) class maps of smooth random blobs (argmax of an upsampled noise field)."""
+    coarse = torch.randn(batch, classes, 4, 4, 4, generator=gen)
+    coarse[:, 0] += 1.0  # a larger background, as in real volumes
+    field = torch.nn.functional.interpolate(coarse, size=(patch,) * 3, mode="trilinear", align_corners=False)
+    return field.argmax(1, keepdim=True).float()
 
 
 def _malloc_trim() -> None:
@@ -123,64 +153,136 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
+class PhaseMeter:
+    """High-water marks of successive phases of one step, each above the memory in use at its start."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.peaks, self.start = device, {}, 0
+
+    def _reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")
+
+    def _high(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        return _status_kb("VmHWM") * 1024
+
+    def begin(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.start = torch.cuda.memory_allocated()
+        else:
+            _malloc_trim()
+            self.start = _status_kb("VmRSS") * 1024
+        self._reset()
+
+    def mark(self, phase: str) -> None:
+        """Close ``phase`` (its peak is recorded) and start the next one."""
+        self.peaks[phase] = self._high() - self.start
+        self._reset()
+
+
 def peak_step_bytes(step: Callable[[], None], device: torch.device) -> int:
     """Memory one call of ``step`` needs above what was allocated before it (see module docstring)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start
-    _malloc_trim()
-    Path("/proc/self/clear_refs").write_text("5")
-    start = _status_kb("VmRSS")
+    meter = PhaseMeter(device)
+    meter.begin()
     step()
-    return (_status_kb("VmHWM") - start) * 1024
+    meter.mark("step")
+    return meter.peaks["step"]
 
 
 def measure(
-    net: str, variant: str, patch: int, batch: int, steps: int, device: torch.device, width: float = 1.0
+    net: str,
+    variant: str,
+    patch: int,
+    batch: int,
+    steps: int,
+    device: torch.device,
+    width: float = 1.0,
+    classes: int = 3,
 ) -> dict:
-    """saved_bytes, peak_bytes (of the first timed step) and median step_s of ``steps`` steps after warm-up."""
+    """Saved bytes (network, loss), phase peaks and breakdown of the first timed step, median step_s."""
     from monai.losses import DiceCELoss
 
-    model, forward = prepare(net, variant, patch, device, width)
+    model, forward = prepare(net, variant, patch, device, width, classes)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4)
-    loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
+    if variant == "fused":
+        from medseg.kernels.loss import FusedDiceCELoss
+
+        loss_fn: Callable = FusedDiceCELoss()
+    else:
+        loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 1, patch, patch, patch, generator=gen).to(device)
-    y = torch.randint(0, 3, (batch, 1, patch, patch, patch), generator=gen).to(device)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        loss = loss_fn(forward(x), y)
-        loss.backward()
-        opt.step()
+    y = labels_like(batch, patch, classes, gen).to(device)
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    def step(meter: PhaseMeter | None = None) -> None:
+        mark = meter.mark if meter is not None else (lambda phase: None)
+        opt.zero_grad(set_to_none=True)
+        out = forward(x)
+        mark("forward")
+        loss = loss_fn(out, y)
+        del out
+        mark("loss")
+        loss.backward()
+        mark("backward")
+        opt.step()
+        mark("optimizer")
+
     for _ in range(2 if variant == "compile" else 1):  # warm-up: optimizer state, compilation
         step()
     times: list[float] = []
 
-    def timed_step() -> None:
+    def timed_step(meter: PhaseMeter | None = None) -> None:
         sync()
         t0 = time.perf_counter()
-        step()
+        step(meter)
         sync()
         times.append(time.perf_counter() - t0)
 
-    peak = peak_step_bytes(timed_step, device)
-    for _ in range(steps - 1):
+    meter = PhaseMeter(device)
+    meter.begin()
+    timed_step(meter)  # phase marks cost a /proc read each; the median below comes from unmarked steps
+    phases = dict(meter.peaks)
+    peak = max(phases.values())
+    times.clear()
+    for _ in range(steps):
         timed_step()
     opt.zero_grad(set_to_none=True)
-    saved = saved_bytes(forward, params, x)
-    return {"saved_bytes": saved, "peak_bytes": peak, "step_s": statistics.median(times), "steps": steps}
+    net_saved, loss_saved = saved_bytes_split(forward, params, x, loss_fn, y)
+    grads = sum(p.numel() * p.element_size() for p in params)
+    logits = batch * classes * patch**3 * x.element_size()
+    peak_phase = max(phases, key=phases.get)
+    breakdown = {
+        "peak_phase": peak_phase,
+        "saved": net_saved + loss_saved,
+        # what the loss needs while it runs beyond the maps kept for backward (its temporaries)
+        "loss_transient": max(phases["loss"] - net_saved - loss_saved, 0),
+        "param_grads": grads,
+        "logits_grad": logits,  # the loss's gradient w.r.t. the logits, alive at the start of backward
+        "workspace_and_allocator": max(peak - net_saved - loss_saved - grads - logits, 0),
+    }
+    return {
+        "saved_bytes": net_saved,
+        "loss_saved_bytes": loss_saved,
+        "peak_bytes": peak,
+        "phase_peaks": phases,
+        "breakdown": breakdown,
+        "step_s": statistics.median(times),
+        "steps": steps,
+        "classes": classes,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,11 +295,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--width", type=float, default=1.0, help="channel multiplier of the network")
+    p.add_argument("--classes", type=int, default=3, help="output classes (labels drawn from all of them)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     result = measure(
-        args.net, args.variant, args.patch, args.batch, args.steps, torch.device(args.device), args.width
+        args.net,
+        args.variant,
+        args.patch,
+        args.batch,
+        args.steps,
+        torch.device(args.device),
+        args.width,
+        args.classes,
     )
     if args.variant == "fused":
         from medseg.kernels.dispatch import backend_name

@@ -9,6 +9,8 @@ says so. The module's functions (integer codes in ``NORM_CODES`` / ``ACT_CODES``
     backward(saved, grad_out, mean, invstd, weight, bias, norm, groups, act, param, prelu,
              from_output, stats_grad, grad_in) -> (dweight | None, dbias | None, dprelu | None)
     with_cuda() -> bool
+    dice_ce_forward(x, y) -> (stats, ce);  dice_ce_backward(x, y, a, b, e, grad_in) -> None
+                                            (the fused Dice + CE loss, medseg.kernels.loss)
 
 Builds go to ``~/.cache/medseg/torch_extensions/<torch>-<cpXY>-<cpu|cuXY>`` (``MEDSEG_KERNEL_CACHE``
 overrides the folder), under an exclusive file lock so that concurrent processes build once.
@@ -109,14 +111,14 @@ def _build() -> ModuleType:
     if shutil.which("ninja") is None and not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja is not installed (pip install ninja)")
     with_cuda = _cuda_toolkit() is not None
-    sources = [CSRC / "norm_act_cpu.cpp"]
+    sources = [CSRC / "norm_act_cpu.cpp", CSRC / "dice_ce_cpu.cpp"]
     cflags = list(CFLAGS)
     ldflags = ["-fopenmp"]
     if _libmvec():
         cflags.append("-DMEDSEG_LIBMVEC")
         ldflags.append("-lmvec")
     if with_cuda:
-        sources.append(CSRC / "norm_act_cuda.cu")
+        sources += [CSRC / "norm_act_cuda.cu", CSRC / "dice_ce_cuda.cu"]
         cflags.append("-DMEDSEG_WITH_CUDA")
     build_dir = cache_dir(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)

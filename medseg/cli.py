@@ -287,8 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--nets",
         nargs="+",
-        default=["unet", "segresnet", "dynunet"],
-        choices=["unet", "segresnet", "dynunet"],
+        default=["unet", "segresnet", "dynunet", "unet-14cls"],
+        choices=["unet", "segresnet", "dynunet", "unet-14cls"],
+        help="cases; unet-14cls: UNet at the default width with 14 classes",
     )
     s.add_argument(
         "--variants",

@@ -12,6 +12,7 @@ multi-rank job rank 0 validates alone.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -24,20 +25,29 @@ from monai.networks.utils import one_hot
 
 from medseg.config import Config
 
+log = logging.getLogger(__name__)
+
 
 def _finite(x: float) -> float | None:
     return float(x) if math.isfinite(float(x)) else None
 
 
 class SegmentationTask:
-    """Voxel-wise classes; DiceCE loss; Dice and 95th-percentile Hausdorff distance per class."""
+    """Voxel-wise classes; DiceCE loss (fused with train.memory=fused); Dice and 95th-percentile Hausdorff distance per class."""
 
     key_metric = "val_dice"
 
     def __init__(self, cfg: Config, labels: dict[int, str]) -> None:
         self.cfg, self.labels = cfg, labels
         self.num_classes = len(labels)
-        self.loss = DiceCELoss(to_onehot_y=True, softmax=True)
+        # train.memory=fused: the same loss without its full-resolution softmax/one-hot/log-softmax maps.
+        if cfg.train.memory == "fused":
+            from medseg.kernels.loss import FusedDiceCELoss
+
+            self.loss: torch.nn.Module = FusedDiceCELoss()
+            log.info("train.memory=fused: fused Dice+CE loss (no softmax/one-hot maps kept)")
+        else:
+            self.loss = DiceCELoss(to_onehot_y=True, softmax=True)
 
     def targets(self, batch: dict[str, Any], device: torch.device) -> torch.Tensor:
         return batch["label"].to(device)

@@ -15,10 +15,6 @@ from medseg.kernels import dispatch, optimize_memory
 from medseg.kernels.blocks import describe, norm_act, norm_act_conv
 from medseg.kernels.functions import replayable_backward
 from medseg.kernels.measure import saved_bytes
-from medseg.runlog import read_metrics
-from medseg.train import train
-
-from .conftest import tiny_seg_config
 
 NORMS = {
     "instance": lambda: nn.InstanceNorm3d(4),
@@ -33,6 +29,13 @@ ACTS = {
     "elu": lambda: nn.ELU(0.7),
     "relu": lambda: nn.ReLU(),
 }
+
+
+# The fused-layer tests run on CUDA tensors too where CUDA is there (scripts/gpu_check.sh).
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
 
 
 @pytest.fixture(params=["native", "reference"])
@@ -53,13 +56,15 @@ def _layer(norm: str, act: str):
     return n, a
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("norm,act", list(itertools.product(NORMS, ACTS)))
-def test_gradcheck_fused_functions(norm, act, backend):
+def test_gradcheck_fused_functions(norm, act, backend, device):
     n, a = _layer(norm, act)
+    n, a = n.to(device), a.to(device)
     spec = describe(n, a)
-    x = torch.randn(2, 4, 3, 3, 4, dtype=torch.double, requires_grad=True)
+    x = torch.randn(2, 4, 3, 3, 4, dtype=torch.double, device=device, requires_grad=True)
     params = (x, *n.parameters(), *a.parameters())
-    conv = nn.Conv3d(4, 2, 3, stride=2, padding=1).double()
+    conv = nn.Conv3d(4, 2, 3, stride=2, padding=1).double().to(device)
     with replayable_backward():  # gradcheck runs backward repeatedly through one graph
         if act != "relu":
             # in place on a copy: the in-place forward and the inverse are what gets checked
@@ -72,15 +77,16 @@ def test_gradcheck_fused_functions(norm, act, backend):
         )
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("norm", NORMS)
-def test_fused_equals_torch_modules(norm, backend):
+def test_fused_equals_torch_modules(norm, backend, device):
     """Forward, input and parameter gradients against the plain modules, float32."""
     for act in ACTS:
         n, a = _layer(norm, act)
-        n, a = n.float(), a.float()
+        n, a = n.float().to(device), a.float().to(device)
         spec = describe(n, a)
-        x = torch.randn(2, 4, 6, 7, 8, requires_grad=True)
-        g = torch.randn(2, 4, 6, 7, 8)
+        x = torch.randn(2, 4, 6, 7, 8, device=device, requires_grad=True)
+        g = torch.randn(2, 4, 6, 7, 8, device=device)
         params = [x, *n.parameters(), *a.parameters()]
         expected = torch.autograd.grad(a(n(x)), params, g)
         out = norm_act(x * 1, n, a, spec, inplace=True)
@@ -213,9 +219,9 @@ def _nets():
     }
 
 
-def _pair(name: str, dtype: torch.dtype):
+def _pair(name: str, dtype: torch.dtype, device: str = "cpu"):
     torch.manual_seed(0)
-    original = _nets()[name]().to(dtype)
+    original = _nets()[name]().to(dtype).to(device)
     with torch.no_grad():
         for p in original.parameters():
             if p.dim() == 1:
@@ -247,11 +253,12 @@ def _batch(dtype):
     )
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(_nets()))
-def test_converted_network_is_exact_in_float64(name):
-    original, fused, report = _pair(name, torch.float64)
+def test_converted_network_is_exact_in_float64(name, device):
+    original, fused, report = _pair(name, torch.float64, device)
     assert report.converted and original.state_dict().keys() == fused.state_dict().keys()
-    x, y = _batch(torch.float64)
+    x, y = (t.to(device) for t in _batch(torch.float64))
     loss_o, grads_o = _grads(original, x, y)
     loss_f, grads_f = _grads(fused, x, y)
     assert abs(loss_f - loss_o) <= 1e-12 * abs(loss_o)
@@ -259,17 +266,18 @@ def test_converted_network_is_exact_in_float64(name):
     assert worst < 1e-9, worst
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["unet", "segresnet", "dynunet"])
-def test_converted_network_matches_in_float32(name):
+def test_converted_network_matches_in_float32(name, device):
     """Loss and every parameter gradient within 1e-5 relative of the unfused float32 network.
 
     Where the unfused float32 network is itself further than that from float64 (DynUNet's
     gradients, through instance norms over small maps, are ~1e-3 from float64 in float32), the
     fused one must be as close to float64 as the original, within a factor of 3.
     """
-    original, fused, _ = _pair(name, torch.float32)
+    original, fused, _ = _pair(name, torch.float32, device)
     exact = copy.deepcopy(original).double()
-    x, y = _batch(torch.float32)
+    x, y = (t.to(device) for t in _batch(torch.float32))
     loss_o, grads_o = _grads(original, x, y)
     loss_f, grads_f = _grads(fused, x, y)
     _, grads_64 = _grads(exact, x.double(), y)
@@ -288,6 +296,29 @@ def test_converted_network_keeps_fewer_maps(name):
     before = saved_bytes(original, list(original.parameters()), x)
     after = saved_bytes(fused, list(fused.parameters()), x)
     assert after <= 0.65 * before, (after, before)
+
+
+def test_invertibility_is_decided_once_per_forward(monkeypatch):
+    """After the first step, no fused layer reads its parameters on the host (a CUDA sync each):
+    the model's pre-hook decides them all in one transfer, and an optimizer step invalidates that."""
+    from medseg.kernels import functions
+
+    model = UNet(3, 1, 2, (8, 16), (2,), num_res_units=1)
+    optimize_memory(model)
+    x = torch.randn(1, 1, 16, 16, 16)
+    model(x).sum().backward()  # first step: layers register themselves
+    calls = []
+    monkeypatch.setattr(functions, "_invertible", lambda *a: calls.append(a) or True)
+    transfers = []
+    real = functions.invertibility
+    monkeypatch.setattr(
+        "medseg.kernels.blocks.invertibility", lambda sites: transfers.append(len(sites)) or real(sites)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.step()
+        model(x).sum().backward()
+    assert calls == [] and len(transfers) == 2 and transfers[0] >= 2, (calls, transfers)
 
 
 def test_report_names_what_was_left_alone():
@@ -326,12 +357,19 @@ def test_converted_weights_load_into_the_plain_network():
 @pytest.mark.slow
 def test_training_with_fused_memory_reaches_the_same_dice(seg_data, seg_run, tmp_path, caplog):
     """The tiny demo run with ``train.memory: fused`` against the same run unfused (``seg_run``)."""
+    # imported here so that the CUDA-only selection (scripts/gpu_check.sh) needs no training stack
+    from medseg.runlog import read_metrics
+    from medseg.train import train
+
+    from .conftest import tiny_seg_config
+
     caplog.set_level(logging.INFO, logger="medseg")
     fused = train(tiny_seg_config(seg_data, tmp_path, name="tiny-fused", memory="fused"), progress=False)
     plain = read_metrics(seg_run.run_dir / "metrics.jsonl")
     ours = read_metrics(fused.run_dir / "metrics.jsonl")
     assert len(ours) == len(plain)
     assert abs(ours[-1]["val_dice"] - plain[-1]["val_dice"]) <= 0.01, (ours[-1], plain[-1])
+    assert "fused Dice+CE loss" in caplog.text
     assert (
         "train.memory=fused" in caplog.text
         and "fused 6 norm layers, split 2 skip concatenations, left 0" in caplog.text

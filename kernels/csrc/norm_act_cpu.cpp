@@ -584,6 +584,7 @@ bool with_cuda() {
 }
 
 }  // namespace
+void register_dice_ce(pybind11::module_& m);  // dice_ce_cpu.cpp
 }  // namespace medseg
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -600,4 +601,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "saved"_a, "grad_out"_a, "mean"_a, "invstd"_a, "weight"_a, "bias"_a, "norm"_a, "groups"_a, "act"_a, "param"_a,
         "prelu"_a, "from_output"_a, "stats_grad"_a, "grad_in"_a, nogil);
   m.def("with_cuda", &medseg::with_cuda, "Whether this build has the CUDA kernels");
+  medseg::register_dice_ce(m);
 }
