@@ -129,15 +129,20 @@ def _app(args: argparse.Namespace) -> None:
     serve(args.runs or [Path("runs")], args.port)
 
 
-def _bench_sites(args: argparse.Namespace) -> None:
-    from medseg.distributed.bench_sites import bench_sites, check_targets, format_table, write_report
-
-    result = bench_sites(args.workdir, quick=args.quick, seeds=args.seeds, epochs=args.epochs)
+def _report(result: dict, args: argparse.Namespace, write_report, format_table, check_targets) -> None:
+    """Every benchmark's ending: JSON (and markdown section) written, table and target checks printed."""
     write_report(result, args.json, args.markdown)
     print(format_table(result))
     for name, ok in check_targets(result):
         print(f"{'met   ' if ok else 'MISSED'} {name}")
     print(f"wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
+
+
+def _bench_sites(args: argparse.Namespace) -> None:
+    from medseg.distributed.bench_sites import bench_sites, check_targets, format_table, write_report
+
+    result = bench_sites(args.workdir, quick=args.quick, seeds=args.seeds, epochs=args.epochs)
+    _report(result, args, write_report, format_table, check_targets)
 
 
 def _bench_memory(args: argparse.Namespace) -> None:
@@ -155,11 +160,7 @@ def _bench_memory(args: argparse.Namespace) -> None:
         verify=args.verify,
         variants=tuple(args.variants) if args.variants else None,
     )
-    write_report(result, args.json, args.markdown)
-    print(format_table(result))
-    for name, ok in check_targets(result):
-        print(f"{'met   ' if ok else 'MISSED'} {name}")
-    print(f"wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
+    _report(result, args, write_report, format_table, check_targets)
 
 
 def _sites(args: argparse.Namespace) -> None:
@@ -201,11 +202,7 @@ def _bench_infer(args: argparse.Namespace) -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu")
     result = bench_infer(args.workdir, quick=args.quick, device=args.device, rounds=args.rounds)
-    write_report(result, args.json, args.markdown)
-    print(format_table(result))
-    for name, ok in check_targets(result):
-        print(f"{'met   ' if ok else 'MISSED'} {name}")
-    print(f"wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
+    _report(result, args, write_report, format_table, check_targets)
 
 
 def build_parser() -> argparse.ArgumentParser:

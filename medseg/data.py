@@ -146,24 +146,17 @@ def make_train_data(
     cache_mb = _rss_mb() - before
     log.info("training cases loaded: resident memory grew by %.0f MB for %d cases", cache_mb, len(mine))
     val_ds = _build(cfg, val_items, val_chain, "val", info.root) if val_items else None
+    # One generator drives the draw of each epoch (reseeded by seed_epoch): all cases shuffled in
+    # one process, a fresh draw of per_epoch of this rank's own cases in a multi-rank job.
     gen = torch.Generator()
-    if per_epoch is None:
-        train_loader = DataLoader(
-            train_ds,
-            batch_size=cfg.train.batch_size,
-            shuffle=True,
-            num_workers=cfg.data.num_workers,
-            generator=gen,
-        )
-    else:
-        sampler = RandomSampler(train_ds, num_samples=per_epoch, generator=gen)
-        train_loader = DataLoader(
-            train_ds,
-            batch_size=cfg.train.batch_size,
-            sampler=sampler,
-            num_workers=cfg.data.num_workers,
-            generator=gen,
-        )
+    sampler = RandomSampler(train_ds, num_samples=per_epoch, generator=gen)
+    train_loader = DataLoader(
+        train_ds,
+        batch_size=cfg.train.batch_size,
+        sampler=sampler,
+        num_workers=cfg.data.num_workers,
+        generator=gen,
+    )
     val_loader = (
         DataLoader(val_ds, batch_size=1, num_workers=cfg.data.num_workers) if val_ds is not None else None
     )
