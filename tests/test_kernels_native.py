@@ -276,18 +276,24 @@ def _cuda_include() -> Path | None:
     shutil.which("c++") is None or _cuda_include() is None, reason="no C++ compiler or CUDA headers"
 )
 @pytest.mark.parametrize("source", ["norm_act_cpu.cpp", "dice_ce_cpu.cpp"])
-def test_cuda_host_glue_compiles(source):
+def test_cuda_host_glue_compiles(source, tmp_path):
     """The ``#ifdef MEDSEG_WITH_CUDA`` host code (guards, streams, launcher calls) type-checks against
     torch's c10/cuda headers and the toolkit's: compile-only (-fsyntax-only), no GPU or CUDA torch needed."""
     import sysconfig
 
     from torch.utils import cpp_extension
 
+    # A CPU build of torch ships c10/cuda's headers but not the one CMake generates for CUDA builds:
+    # stand it in with what a shared-library CUDA build defines.
+    shim = tmp_path / "shim" / "c10" / "cuda" / "impl"
+    shim.mkdir(parents=True)
+    (shim / "cuda_cmake_macros.h").write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     includes = [
         *cpp_extension.include_paths(),
         sysconfig.get_paths()["include"],
         str(_cuda_include()),
         str(CSRC),
+        str(tmp_path / "shim"),
     ]
     cmd = [
         "c++",

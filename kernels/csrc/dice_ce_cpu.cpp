@@ -166,9 +166,10 @@ void backward_cpu(const T* x, const L* y, const LossGeo g, const double* a, cons
 }
 
 #ifdef MEDSEG_WITH_CUDA
-#define MEDSEG_LOSS_CUDA_CHECK(expr)                                                                   \
+// Variadic: the call inside has template arguments (<scalar_t, L>) whose comma would split it.
+#define MEDSEG_LOSS_CUDA_CHECK(...)                                                                    \
   do {                                                                                               \
-    const cudaError_t err_ = (expr);                                                                 \
+    const cudaError_t err_ = (__VA_ARGS__);                                                          \
     TORCH_CHECK(err_ == cudaSuccess, "medseg dice_ce CUDA kernel failed: ", cudaGetErrorString(err_)); \
   } while (0)
 #endif
