@@ -24,7 +24,7 @@ gssp/ssp in-group gradient average          site group (torch)  must not pay the
 gssp/ssp cross-group round (async)          leaders (torch)     must not block in-site training
 in-group broadcast of a received round      site group (torch)  one WAN transfer per site, not |g|
 epoch-end model average (gssp, local-sgd)   site then leaders   WAN bytes of one copy per site
-barriers, object exchange, checkpoint state world (torch)       long timeout; the watchdog decides
+barriers, object exchange                   world (torch)       long timeout; the watchdog decides
 ==========================================  ==================  ===================================
 
 The store and the process groups use a long timeout (``dist.timeout_s`` x 20, at least an hour):
@@ -132,29 +132,6 @@ class Group:
         outs = [torch.empty(top, dtype=torch.uint8) for _ in range(self.size)]
         self.allgather(outs, padded)
         return [pickle.loads(o[: int(s)].numpy().tobytes()) for o, s in zip(outs, sizes)]
-
-
-def gather_to_root(group: Group, obj: Any, root: int = 0) -> tuple[list[Any] | None, list[int]]:
-    """``obj`` of every member, on global rank ``root`` only (None elsewhere), and each one's pickled size.
-
-    Unlike :meth:`Group.gather_objects` nothing travels to the other members: for checkpoint state
-    that only rank 0 writes, the WAN carries each remote rank's state once.
-    """
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes_t = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
-    group.allgather(sizes_t, torch.tensor([data.numel()], dtype=torch.int64))
-    sizes = [int(s) for s in sizes_t]
-    top = max(sizes)
-    padded = torch.zeros(top, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    opts = dist.GatherOptions()
-    opts.rootRank = group.root(root)
-    if group.ranks[group.index] == root:
-        outs = [torch.empty(top, dtype=torch.uint8) for _ in range(group.size)]
-        group.pg.gather([outs], [padded], opts).wait()
-        return [pickle.loads(o[:n].numpy().tobytes()) for o, n in zip(outs, sizes)], sizes
-    group.pg.gather([], [padded], opts).wait()
-    return None, sizes
 
 
 class Channel:

@@ -385,6 +385,48 @@ def steps_per_epoch(
     return [-(-max(s) // batch_size) for s in _rank_sizes(n_samples, groups, shares)]
 
 
+def wan_round_factor(
+    exchange_s: float,
+    periods: Sequence[int],
+    speeds: Sequence[float],
+    samples_per_step: int,
+    max_factor: int = 64,
+) -> int:
+    """The factor m every group's round length is multiplied by, so that rounds hide the WAN.
+
+    Group g, of per-rank speed v_g (samples/s, measured) and period p_g (steps per round, from
+    the speed ratio), computes a round in c_g = p_g · n / v_g seconds, n samples per step. The
+    cross-group exchanges run asynchronously but one after another on the leaders' channel, so
+    they keep pace with training only if one takes no longer than a round's compute:
+
+        m = clamp(⌈t_x / min_g c_g⌉, 1, max_factor),
+
+    t_x the measured time of one exchange. Longer rounds mean fewer exchanges per sample (bytes
+    and round trips fall by m) at the price of m-times older deltas between groups: the trade-off
+    of local SGD (Lin et al., ICLR 2020) and of Gaia's significance filter (NSDI 2017).
+    """
+    if exchange_s < 0 or samples_per_step < 1 or len(periods) != len(speeds) or min(speeds) <= 0:
+        raise ValueError(
+            f"wan_round_factor: exchange {exchange_s} s, periods {list(periods)}, speeds {list(speeds)}, "
+            f"{samples_per_step} samples per step"
+        )
+    compute = min(p * samples_per_step / v for p, v in zip(periods, speeds))
+    return max(1, min(max_factor, math.ceil(exchange_s / compute)))
+
+
+def epoch_rounds(
+    n_samples: int, groups: Sequence[Sequence[int]], periods: Sequence[int], batch_size: int
+) -> int:
+    """Rounds per epoch R = min over ranks of ⌊n_r / (b · period_g)⌋ (see :func:`static_share`).
+
+    Shares are proportional to ``|g|·period_g``, so multiplying every period by the same factor
+    leaves each rank's share ``n_r`` unchanged and divides R by about that factor.
+    """
+    groups = [list(g) for g in groups]
+    sizes = _rank_sizes(n_samples, groups, [len(g) * p for g, p in zip(groups, periods)])
+    return min(size // (batch_size * p) for p, row in zip(periods, sizes) for size in row)
+
+
 def static_share(
     n_samples: int,
     groups: Sequence[Sequence[int]],
@@ -409,8 +451,7 @@ def static_share(
     """
     groups = [list(g) for g in groups]
     weights = [len(g) * p for g, p in zip(groups, periods)]
-    sizes = _rank_sizes(n_samples, groups, weights)
-    rounds = min(size // (batch_size * p) for g, p, row in zip(groups, periods, sizes) for size in row)
+    rounds = epoch_rounds(n_samples, groups, periods, batch_size)
     if rounds < 1:
         raise ConfigError(
             f"data: {n_samples} training cases cannot give every rank one batch of {batch_size} per round "
@@ -421,29 +462,37 @@ def static_share(
     return indices, rounds * periods[g] * batch_size
 
 
-def profile_throughput(step_fn: Callable[[], int], warmup: int = 1, steps: int = 3) -> float:
-    """Measure a worker's speed in samples per second.
+def profile_throughput(
+    step_fn: Callable[[], int], warmup: int = 2, blocks: int = 3, min_block_s: float = 0.4
+) -> float:
+    """Measure a worker's speed in samples per second: the median over ``blocks`` timed blocks.
 
-    Runs ``step_fn`` (one training step; returns the number of samples it processed) ``warmup``
-    times untimed (allocator, cuDNN autotuning, caches), then ``steps`` times timed with
-    ``time.perf_counter``, and returns ``sum(samples) / elapsed`` over the timed steps. On a GPU,
-    ``step_fn`` must synchronise the device before returning, or the time measures launches only.
+    Runs ``step_fn`` (one step; returns the number of samples it processed) ``warmup`` times
+    untimed (allocator, lazy initialisation, caches). A block then runs whole steps until at least
+    ``min_block_s`` has passed and gives ``Σ samples / elapsed``. Blocks rather than single steps,
+    because a CPU quota (a cgroup's ``cfs_quota_us`` per ``cfs_period_us``, typically 100 ms) lets a
+    short step run at full speed and throttles the process later in the period: one step of a few
+    tens of milliseconds measures the machine, several periods measure what training will get.
+    The median of the blocks resists a one-off stall. On a GPU, ``step_fn`` must synchronise the
+    device before returning, or the time measures launches only.
     """
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ConfigError(f"profile: warmup must be an integer >= 0, got {warmup!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ConfigError(f"profile: steps must be an integer >= 1, got {steps!r}")
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ConfigError(f"profile: blocks must be an integer >= 1, got {blocks!r}")
     for _ in range(warmup):
         step_fn()
-    samples = 0
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        samples += int(step_fn())
-    elapsed = time.perf_counter() - t0
-    if samples < 0:
-        raise ValueError(f"profile: step_fn reported {samples} samples processed; expected >= 0")
-    if elapsed <= 0.0:
-        return math.inf if samples > 0 else 0.0
-    speed = samples / elapsed
-    log.info("profile: %d samples in %.3f s over %d steps = %.2f samples/s", samples, elapsed, steps, speed)
+    rates = []
+    for _ in range(blocks):
+        samples, tic = 0, time.perf_counter()
+        while True:
+            samples += int(step_fn())
+            elapsed = time.perf_counter() - tic
+            if elapsed >= min_block_s:
+                break
+        if samples < 0:
+            raise ValueError(f"profile: step_fn reported {samples} samples processed; expected >= 0")
+        rates.append(samples / elapsed if elapsed > 0 else math.inf)
+    speed = sorted(rates)[len(rates) // 2]
+    log.debug("profile: block rates %s samples/s, median %.2f", [round(r, 2) for r in rates], speed)
     return speed

@@ -18,17 +18,29 @@ import resource
 import socket
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from medseg.config import Config
-from medseg.distributed.groups import choose_groups, parse_groups, static_share
+from medseg.distributed.groups import (
+    choose_groups,
+    epoch_rounds,
+    parse_groups,
+    profile_throughput,
+    static_share,
+    wan_round_factor,
+)
 from medseg.distributed.heartbeat import BeatClient
 from medseg.distributed.straggler import Straggler
 from medseg.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+MAX_WAN_FACTOR = 64  # longest round, in multiples of the speed-ratio round
+MIN_EPOCH_ROUNDS = 4  # rounds an epoch keeps when the WAN factor lengthens them
+PROFILE_BLOCK_S = 0.4  # shortest timed block when measuring a rank's speed (several CPU-quota periods)
 
 
 class LocalSession:
@@ -36,7 +48,7 @@ class LocalSession:
 
     rank, size, is_chief = 0, 1, True
 
-    def prepare(self, profile_step: Callable[[], int]) -> None:
+    def prepare(self, profile_step: Callable[[], int], model: torch.nn.Module | None = None) -> None:
         """Nothing to measure in one process."""
 
     def wrap_optimizer(
@@ -52,10 +64,11 @@ class LocalSession:
         """The chief's resume state on every rank (one process: as it is)."""
         return state
 
-    def gather_sync_state(self, optimizer: Any) -> list[dict[str, Any]] | None:
+    def save_sync_state(self, optimizer: Any, run_dir: Path, epoch: int) -> dict[str, int] | None:
+        """No synchronisation state in one process."""
         return None
 
-    def load_sync_state(self, optimizer: Any, states: list[dict[str, Any]] | None) -> None:
+    def load_sync_state(self, optimizer: Any, run_dir: Path, marker: dict[str, int] | None) -> None:
         """Nothing to restore in one process."""
 
     @contextlib.contextmanager
@@ -106,6 +119,11 @@ class HorovodSession(LocalSession):
         self.straggler = Straggler.for_rank(straggler, self.rank)
         self.groups: list[list[int]] = [list(range(self.size))]
         self.periods = [1]
+        self.base_periods = [1]
+        self.wan_factor = 1
+        self.exchange_s: float | None = None
+        self.setup_wan_bytes = 0
+        self.probe_samples = 1
         self.group_index = 0
         self.speeds: list[float] = []
         self.compute_s = 0.0
@@ -114,11 +132,15 @@ class HorovodSession(LocalSession):
         self.epoch_samples = 0
         self._step_tic = 0.0
         self._step_compute = 0.0
-        self.state_wan_bytes = 0
 
     # -- groups ---------------------------------------------------------------------------------
-    def prepare(self, profile_step: Callable[[], int]) -> None:
-        """Measure every rank's samples/s, form groups and their round lengths, build the channel's groups."""
+    def prepare(self, profile_step: Callable[[], int], model: torch.nn.Module | None = None) -> None:
+        """Measure every rank's samples/s, form groups and their round lengths, build the channel's groups.
+
+        With ``dist.hide_wan`` (gssp/ssp, periods measured, several groups, ``model`` given) the
+        leaders also time one cross-group exchange of ``model``'s round payload and every round is
+        lengthened by :meth:`_wan_factor`.
+        """
         d = self.dist
         self.phase("profile")
         if d.sync in ("gssp", "ssp", "local-sgd"):
@@ -150,15 +172,68 @@ class HorovodSession(LocalSession):
                 self.periods = [1] * len(self.groups)
         self.group_index = next(i for i, g in enumerate(self.groups) if self.rank in g)
         self.channel.set_groups(self.groups)
+        self.base_periods = list(self.periods)
+        if (
+            d.sync in ("gssp", "ssp")
+            and d.hide_wan
+            and not d.periods
+            and self.speeds
+            and len(self.groups) > 1
+            and model is not None
+        ):
+            self.exchange_s = self._time_exchange(model)
+            self.wan_factor = self._wan_factor(self.exchange_s)
+            self.periods = [p * self.wan_factor for p in self.base_periods]
         if self.is_chief:
             log.info(
-                "sync %s: groups %s on hosts %s, rounds of %s steps, measured samples/s %s",
+                "sync %s: groups %s on hosts %s, rounds of %s steps, measured samples/s %s, "
+                "cross-group exchange %s s",
                 d.sync,
                 self.groups,
                 [sorted({self.hosts[r] for r in g}) for g in self.groups],
                 self.periods,
                 [round(v, 2) for v in self.speeds] or "not measured",
+                round(self.exchange_s, 3) if self.exchange_s is not None else "not measured",
             )
+
+    def _time_exchange(self, model: torch.nn.Module) -> float:
+        """Seconds one cross-group round exchange takes: rank 0's slower of 2 after a warm-up.
+
+        The leaders run exactly the collective a round runs, on the leaders' group, with the
+        round's payload: an allreduce of the float32 parameter delta, or (``compression: fixed``)
+        an allgather of its encoded bytes. Every rank gets rank 0's figure. The bytes sent are
+        counted in ``setup_wan_bytes`` (with the initial model broadcast; reported with the first
+        epoch).
+        """
+        from medseg.distributed.compression import encoded_nbytes
+        from medseg.distributed.sync import ring_allreduce_bytes
+
+        sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+        times: list[float] = []
+        pg = self.channel.leaders_pg
+        if pg is not None:
+            fixed = self.dist.compression == "fixed"
+            if fixed:
+                mine = torch.zeros(sum(encoded_nbytes(n, self.dist.bits) for n in sizes), dtype=torch.uint8)
+            else:
+                mine = torch.zeros(sum(sizes))
+            n_groups = len(self.groups)
+            for i in range(3):
+                tic = time.perf_counter()
+                if fixed:
+                    pg.allgather([torch.empty_like(mine) for _ in self.groups], mine)
+                    self.setup_wan_bytes += (n_groups - 1) * mine.numel()  # ring allgather
+                else:
+                    pg.allreduce_(mine)
+                    self.setup_wan_bytes += int(ring_allreduce_bytes(mine.numel(), 4, n_groups))
+                if i:
+                    times.append(time.perf_counter() - tic)
+        return float(self.channel.broadcast_object(max(times) if times else 0.0))
+
+    def _wan_factor(self, exchange_s: float) -> int:
+        """:func:`~medseg.distributed.groups.wan_round_factor` for the measured speeds and exchange."""
+        per_rank = [sum(self.speeds[r] for r in g) / len(g) for g in self.groups]
+        return wan_round_factor(exchange_s, self.base_periods, per_rank, self.probe_samples, MAX_WAN_FACTOR)
 
     def _groups_by_host(self) -> list[list[int]]:
         """One group per host, in order of each host's lowest rank."""
@@ -172,25 +247,48 @@ class HorovodSession(LocalSession):
         per_rank = [sum(speeds[r] for r in g) / len(g) for g in self.groups]
         return [max(1, round(v / min(per_rank))) for v in per_rank]
 
-    def _time_steps(self, profile_step: Callable[[], int], steps: int) -> float:
-        """Median samples/s of ``steps`` forward+backward passes after two warm-up passes.
+    def _time_steps(self, profile_step: Callable[[], int], blocks: int) -> float:
+        """This rank's samples/s by :func:`~medseg.distributed.groups.profile_throughput`.
 
         ``profile_step`` works on a batch made before timing starts, so loading is never timed.
         """
-        for _ in range(2):  # first steps pay for allocation and lazy initialisation
+
+        def step() -> int:
             with self.compute():
-                profile_step()
-        rates = []
-        for _ in range(steps):
-            tic = time.perf_counter()
-            with self.compute():
-                n = profile_step()
-            rates.append(n / (time.perf_counter() - tic))
-        log.debug("rank %d profile rates %s", self.rank, [round(r, 2) for r in rates])
+                self.probe_samples = profile_step()
+            return self.probe_samples
+
+        speed = profile_throughput(step, warmup=2, blocks=blocks, min_block_s=PROFILE_BLOCK_S)
         self.compute_s = 0.0
-        return sorted(rates)[len(rates) // 2]
+        return speed
 
     def own_cases(self, n_items: int, batch_size: int, seed: int) -> tuple[list[int], int | None]:
+        """This rank's cases (:func:`static_share`), after fitting the WAN factor to the epoch.
+
+        The factor shrinks until an epoch holds :data:`MIN_EPOCH_ROUNDS` rounds (or as many as
+        rounds of the base periods give): the epoch's end waits for every round in flight, and
+        with fewer rounds per epoch the groups drift apart for longer between exchanges.
+        """
+        m = self.wan_factor
+        need = min(MIN_EPOCH_ROUNDS, epoch_rounds(n_items, self.groups, self.base_periods, batch_size))
+        while (
+            m > 1
+            and epoch_rounds(n_items, self.groups, [p * m for p in self.base_periods], batch_size) < need
+        ):
+            m -= 1
+        if m != self.wan_factor:
+            if self.is_chief:
+                log.warning(
+                    "rounds of %s steps would leave fewer than %d rounds in an epoch of %d cases: "
+                    "WAN factor %d lowered to %d",
+                    [p * self.wan_factor for p in self.base_periods],
+                    need,
+                    n_items,
+                    self.wan_factor,
+                    m,
+                )
+            self.wan_factor = m
+            self.periods = [p * m for p in self.base_periods]
         return static_share(n_items, self.groups, self.periods, batch_size, self.rank, seed)
 
     def share_state(self, state: Any) -> Any:
@@ -209,6 +307,8 @@ class HorovodSession(LocalSession):
         vector = flat(tensors)
         self.channel.broadcast_tensor(vector)
         assign(tensors, vector)
+        if self.is_chief:  # Gloo's broadcast sends the root's tensor to every other rank
+            self.setup_wan_bytes += vector.numel() * 4 * sum(h != self.hosts[0] for h in self.hosts)
         if d.sync == "bsp":
             self.optimizer = BulkSynchronous(optimizer, model, d.compression, d.bits, self.hosts)
         elif d.sync == "local-sgd":
@@ -227,31 +327,46 @@ class HorovodSession(LocalSession):
             )
         return self.optimizer
 
-    def gather_sync_state(self, optimizer: Any) -> list[dict[str, Any]] | None:
-        """Every rank's own synchronisation state (residuals, moments), in rank order, on rank 0 only.
+    def save_sync_state(self, optimizer: Any, run_dir: Path, epoch: int) -> dict[str, int] | None:
+        """Write this rank's synchronisation state (residuals, moments) beside it, on its own host.
 
-        Members of a gssp/ssp group hold the same state as their leader (same inputs, same maths),
-        so they send a reference to it instead; what crosses between hosts is counted in
-        ``state_wan_bytes`` (the benchmark adds it to the algorithm's own byte count).
+        Each rank saves ``optimizer.sync_state()`` to ``run_dir/checkpoints/sync/r<rank>-e<epoch>.pt``
+        (atomically) and keeps the previous epoch's too, in case the chief's checkpoint of this
+        epoch is never written. Nothing crosses the network: sending every rank's residuals to
+        rank 0 each epoch cost about a fifth of bsp-fixed4's WAN bytes. Returns the marker the
+        chief puts in its checkpoint, ``{"epoch": e, "ranks": n}``.
         """
-        from medseg.distributed.channel import gather_to_root
+        from medseg.checkpoint import save_checkpoint
 
-        same = self.dist.sync in ("gssp", "ssp") and not self.channel.is_leader
-        mine = {"same_as": self.channel.leader} if same else optimizer.sync_state()
-        states, sizes = gather_to_root(self.channel.world, mine, root=0)
-        self.state_wan_bytes = sum(n for r, n in enumerate(sizes) if self.hosts[r] != self.hosts[0])
-        return states
+        folder = run_dir / "checkpoints" / "sync"
+        save_checkpoint(
+            {"epoch": epoch, "rank": self.rank, "state": optimizer.sync_state()},
+            folder / f"r{self.rank}-e{epoch}.pt",
+        )
+        for old in folder.glob(f"r{self.rank}-e*.pt"):
+            if int(old.stem.rsplit("-e", 1)[1]) < epoch - 1:
+                old.unlink(missing_ok=True)
+        return {"epoch": epoch, "ranks": self.size}
 
-    def load_sync_state(self, optimizer: Any, states: list[dict[str, Any]] | None) -> None:
-        if states and len(states) == self.size:
-            mine = states[self.rank]
-            optimizer.load_sync_state(states[mine["same_as"]] if "same_as" in mine else mine)
-        elif states:
+    def load_sync_state(self, optimizer: Any, run_dir: Path, marker: dict[str, int] | None) -> None:
+        """Restore this rank's state of the checkpoint's epoch; without it, residuals restart (warned)."""
+        from medseg.checkpoint import load_checkpoint
+
+        if not marker:
+            return
+        path = run_dir / "checkpoints" / "sync" / f"r{self.rank}-e{marker['epoch']}.pt"
+        if marker.get("ranks") != self.size or not path.is_file():
             log.warning(
-                "checkpoint holds synchronisation state of %d ranks, not %d: residuals restart",
-                len(states),
+                "rank %d: no synchronisation state of epoch %d for %d ranks at %s (checkpoint made by %s ranks): "
+                "residuals and moments restart",
+                self.rank,
+                marker["epoch"],
                 self.size,
+                path,
+                marker.get("ranks"),
             )
+            return
+        optimizer.load_sync_state(load_checkpoint(path)["state"])
 
     # -- per step -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -303,7 +418,7 @@ class HorovodSession(LocalSession):
             "samples": self.epoch_samples,
             "steps": stats.steps,
             "bytes": stats.bytes_sent,
-            "wan_bytes": stats.wan_bytes,
+            "wan_bytes": stats.wan_bytes + self.setup_wan_bytes,
             "site_s": stats.site_s,
             "wan_wait_s": stats.wan_wait_s,
             "max_staleness": max(stats.staleness, default=0),
@@ -314,6 +429,7 @@ class HorovodSession(LocalSession):
         }
         everyone = self.channel.gather_objects(mine)
         stats.reset()
+        self.setup_wan_bytes = 0  # set-up transfers are counted once, with the first epoch
         slowest = max(r["wall_s"] for r in everyone)
         return {
             "dist_samples_per_s": sum(r["samples"] for r in everyone) / slowest,
@@ -324,6 +440,8 @@ class HorovodSession(LocalSession):
             "dist_wait_s": max(r["wan_wait_s"] for r in everyone),
             "dist_groups": self.groups,
             "dist_periods": self.periods,
+            "dist_wan_factor": self.wan_factor,
+            "dist_exchange_s": self.exchange_s,
             # per rank: compute (forward, backward, straggler sleep), in-site averaging, waiting on other sites
             "dist_rank_time": [
                 {k: round(r[k], 3) for k in ("compute_s", "site_s", "wan_wait_s", "wall_s")} for r in everyone

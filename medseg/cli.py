@@ -141,7 +141,14 @@ def _report(result: dict, args: argparse.Namespace, write_report, format_table, 
 def _bench_sites(args: argparse.Namespace) -> None:
     from medseg.distributed.bench_sites import bench_sites, check_targets, format_table, write_report
 
-    result = bench_sites(args.workdir, quick=args.quick, seeds=args.seeds, epochs=args.epochs)
+    result = bench_sites(
+        args.workdir,
+        quick=args.quick,
+        seeds=args.seeds,
+        epochs=args.epochs,
+        scenarios=args.scenarios.split(",") if args.scenarios else None,
+        configs=args.configs.split(",") if args.configs else None,
+    )
     _report(result, args, write_report, format_table, check_targets)
 
 
@@ -267,7 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", type=Path, required=True, help="write the results here")
     s.add_argument("--markdown", type=Path, help="update this markdown file's sites section")
     s.add_argument("--seeds", type=int, help="seeds per config (default 3, --quick 1)")
-    s.add_argument("--epochs", type=int, help="epochs per run (default 10)")
+    s.add_argument("--epochs", type=int, help="epochs per run (default 8, --quick 5)")
+    s.add_argument("--scenarios", help="comma-separated subset of lan,wan100,wan20")
+    s.add_argument(
+        "--configs", help="comma-separated subset of bsp-none,bsp-fp16,bsp-fixed4,local-sgd,gssp,gssp-fixed4"
+    )
     s.add_argument(
         "--workdir", type=Path, default=Path("runs/bench-sites"), help="data and runs of the benchmark"
     )

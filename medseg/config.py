@@ -66,6 +66,8 @@ class TrainConfig:
     optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
     scheduler: Literal["cosine", "none"] = "cosine"
     val_interval: int = 1
+    stop_at: float = 0.0  # stop once the key validation metric reaches this (0 = train every epoch)
+    min_epochs: int = 0  # ... but not before this epoch
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     amp: bool = True  # mixed precision, used on CUDA only
@@ -84,6 +86,9 @@ class DistConfig:
     # gssp without groups: one group per host (site), or k-means on measured speed
     group_by: Literal["host", "speed"] = "host"
     periods: list[int] = field(default_factory=list)  # steps per round of each group; [] = from speeds
+    # gssp/ssp with measured periods: lengthen every group's round by one factor so that a round's
+    # compute covers the measured cross-group exchange (the WAN), see HorovodSession._wan_factor
+    hide_wan: bool = True
     num_groups: int = 0  # with automatic groups: 0 = chosen by Calinski-Harabasz
     staleness: int = 2  # gssp/ssp: rounds a group may run ahead of the slowest
     dc_lambda: float = 0.0  # gssp/ssp: DC-ASGD delay compensation strength (0 = off)
@@ -91,7 +96,7 @@ class DistConfig:
     compression: Literal["none", "fp16", "fixed"] = "none"
     bits: Literal[2, 4, 8] = 4  # compression: fixed
     timeout_s: float = 120.0  # a rank silent this long is declared hung and the job is stopped
-    profile_steps: int = 8  # steps timed per rank (median) to measure speeds for groups and rounds
+    profile_steps: int = 8  # timed blocks (>= 0.4 s each) per rank, median: speeds for groups and rounds
 
 
 @dataclass

@@ -206,7 +206,8 @@ def _train(
         model.zero_grad(set_to_none=True)
         return int(probe["image"].shape[0])
 
-    session.prepare(profile_step)
+    train_start = time.time()  # before profiling: time-to-accuracy counts it, not imports or start-up
+    session.prepare(profile_step, model)
     session.phase("load")
     data = make_train_data(cfg, session, split)  # this rank's own cases, cached once
     _fault_delay("load", session.rank)
@@ -241,13 +242,18 @@ def _train(
         records = []
     optimizer = session.wrap_optimizer(base_optimizer, model)
     if state is not None:
-        session.load_sync_state(optimizer, state.get("dist"))
+        session.load_sync_state(optimizer, cfg.run_dir, state.get("dist"))
     if session.is_chief:
         save_config(cfg, cfg.run_dir / "config.yaml")
 
+    reached = False  # the key metric reached train.stop_at (chief's decision, shared at the next epoch)
+    last = min(stop, t.epochs)
     for epoch in range(start, min(stop, t.epochs) + 1):
         seed_epoch(data, t.seed, epoch, session.rank)
         session.start_epoch()
+        if t.stop_at and session.share_state(reached):
+            last = epoch - 1
+            break
         model.train()
         tic, losses = time.perf_counter(), []
         bar = tqdm(
@@ -277,17 +283,18 @@ def _train(
             "epoch_s": round(time.perf_counter() - tic, 3),
         }
         record.update(session.end_epoch(optimizer))
-        sync_state = session.gather_sync_state(optimizer)  # every rank's residuals, for the checkpoint
-        if sync_state is not None:
-            record["dist_state_wan_bytes"] = session.state_wan_bytes
+        sync_marker = session.save_sync_state(optimizer, cfg.run_dir, epoch)  # each rank's residuals, locally
         if not session.is_chief:
             continue  # rank 0 alone validates and writes; the others wait for it at the next epoch
         if data.val_loader is not None and (epoch % t.val_interval == 0 or epoch == t.epochs):
             session.phase("validate")
             _fault_delay("validate", session.rank)
             model.eval()
+            val_tic = time.perf_counter()
             record.update(task.validate(model, data.val_loader, device))
+            record["val_s"] = round(time.perf_counter() - val_tic, 3)
         record["time"] = round(time.time(), 3)  # wall clock after validation: time-to-accuracy curves
+        record["train_start"] = round(train_start, 3)
         session.phase("save")
         metric = record.get(task.key_metric)
         is_best = metric is not None and metric > best
@@ -304,20 +311,29 @@ def _train(
             "config": cfg.to_dict(),
             "labels": {str(k): v for k, v in labels.items()},
         }
-        if sync_state is not None:
-            payload["dist"] = sync_state
+        if sync_marker is not None:
+            payload["dist"] = sync_marker
         save_checkpoint(payload, last_path)
         if is_best or data.val_loader is None:
             save_checkpoint(payload, best_path)
         records.append(record)
+        reached = bool(t.stop_at and metric is not None and metric >= t.stop_at and epoch >= t.min_epochs)
+        if reached:
+            log.info(
+                "%s %.4f reached train.stop_at %.4f at epoch %d: stopping",
+                task.key_metric,
+                metric,
+                t.stop_at,
+                epoch,
+            )
         write_metrics(metrics_path, records)
         plot_learning_curve(records, task.key_metric, cfg.run_dir / "learning_curve.png")
         shown = " ".join(f"{k}={v:.4f}" for k, v in record.items() if isinstance(v, float) and k != "epoch_s")
         log.info("epoch %d/%d %s (%.1fs)", epoch, t.epochs, shown, record["epoch_s"])
 
     if not session.is_chief:
-        return TrainResult(cfg.run_dir, min(stop, t.epochs), None, None, task.key_metric, {})
-    if stop < t.epochs:
+        return TrainResult(cfg.run_dir, last, None, None, task.key_metric, {})
+    if stop < t.epochs and last == stop:
         log.info("stopped after epoch %d of %d; continue with --resume", stop, t.epochs)
         return TrainResult(
             cfg.run_dir, stop, None if best == -math.inf else best, best_epoch, task.key_metric, records[-1]
@@ -327,5 +343,5 @@ def _train(
     export_bundle(cfg, best_state, metrics={k: v for k, v in best_record.items() if k.startswith("val_")})
     final = records[-1] if records else {}
     return TrainResult(
-        cfg.run_dir, t.epochs, None if best == -math.inf else best, best_epoch, task.key_metric, final
+        cfg.run_dir, last, None if best == -math.inf else best, best_epoch, task.key_metric, final
     )

@@ -164,7 +164,7 @@ def _model_of(path: Path) -> dict:
 
 def test_compressed_gssp_resume_equals_the_uninterrupted_run(dist_data: Path, tmp_path: Path) -> None:
     """Two groups with 4-bit rounds (an error-feedback residual per rank): stop after epoch 1, resume, and
-    land on the uninterrupted run's parameters, because the residuals travel in the checkpoint."""
+    land on the uninterrupted run's parameters, because every rank's residuals are kept with the checkpoint."""
     dist = {
         "sync": "gssp",
         "groups": [[0], [1]],
@@ -183,9 +183,10 @@ def test_compressed_gssp_resume_equals_the_uninterrupted_run(dist_data: Path, tm
         proc = medseg("train", *args, "--np", "2")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     state = load_checkpoint(tmp_path / "runs" / "parts" / "checkpoints" / "last.pt")
-    assert (
-        state["epoch"] == 2 and len(state["dist"]) == 2 and state["dist"][1]["delta"]
-    )  # rank 1's residual too
+    assert state["epoch"] == 2 and state["dist"] == {"epoch": 2, "ranks": 2}
+    # each rank's residual is kept beside it, not sent to rank 0: rank 1's too, for this epoch
+    shard = load_checkpoint(tmp_path / "runs" / "parts" / "checkpoints" / "sync" / "r1-e2.pt")
+    assert shard["epoch"] == 2 and shard["state"]["delta"]
     a, b = _model_of(tmp_path / "runs" / "whole" / "checkpoints" / "last.pt"), state["model"]
     diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     assert diff <= 1e-6, diff

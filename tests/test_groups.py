@@ -12,6 +12,7 @@ import pytest
 from medseg.distributed.groups import (
     calinski_harabasz,
     choose_groups,
+    epoch_rounds,
     group_shares,
     kmeans_1d,
     parse_groups,
@@ -19,6 +20,7 @@ from medseg.distributed.groups import (
     rank_share_indices,
     static_share,
     steps_per_epoch,
+    wan_round_factor,
 )
 from medseg.distributed.straggler import Straggler, parse_straggler
 from medseg.errors import ConfigError
@@ -236,6 +238,28 @@ def test_static_share_partitions_by_speed_and_fills_whole_rounds() -> None:
         static_share(5, groups, periods, batch_size=2, rank=0, seed=0)
 
 
+def test_wan_round_factor_hides_the_exchange_behind_a_round() -> None:
+    # group 0: 2 steps per round at 8 samples/s per rank, group 1: 1 step at 4 samples/s; 2 samples
+    # per step: both compute a round in 0.5 s
+    assert wan_round_factor(0.4, [2, 1], [8.0, 4.0], 2) == 1  # the exchange already fits a round
+    assert wan_round_factor(1.2, [2, 1], [8.0, 4.0], 2) == 3  # ceil(1.2 / 0.5)
+    assert wan_round_factor(2.0, [2, 1], [8.0, 4.0], 2) == 4  # exactly 4 rounds' compute
+    # the faster group's round is the one that must cover the exchange
+    assert wan_round_factor(1.2, [1, 1], [8.0, 4.0], 2) == 5  # ceil(1.2 / 0.25)
+    assert wan_round_factor(100.0, [1, 1], [8.0, 4.0], 2, max_factor=16) == 16
+    assert wan_round_factor(0.0, [1, 1], [8.0, 4.0], 2) == 1
+    with pytest.raises(ValueError):
+        wan_round_factor(1.0, [1, 1], [8.0, 0.0], 2)
+
+
+def test_epoch_rounds_falls_with_a_common_round_factor() -> None:
+    groups, periods = [[0, 1], [2]], [3, 1]
+    assert epoch_rounds(70, groups, periods, 2) == 5  # as in the static_share test above
+    # shares are unchanged by a common factor, so R falls by about that factor
+    assert epoch_rounds(70, groups, [6, 2], 2) == 2
+    assert epoch_rounds(70, groups, [18, 6], 2) == 0
+
+
 def test_profile_throughput() -> None:
     calls = []
 
@@ -244,11 +268,26 @@ def test_profile_throughput() -> None:
         time.sleep(0.01)
         return 4
 
-    speed = profile_throughput(step, warmup=2, steps=3)
-    assert len(calls) == 5
+    speed = profile_throughput(step, warmup=2, blocks=3, min_block_s=0.05)
+    assert len(calls) >= 2 + 3 * 5  # warm-ups, then whole steps until each block reaches 50 ms
     assert 0 < speed <= 4 / 0.01 * 1.05  # sleep never undershoots; allow timer slack
     with pytest.raises(ConfigError):
-        profile_throughput(step, steps=0)
+        profile_throughput(step, blocks=0)
+
+
+def test_profile_throughput_measures_a_cpu_quota_not_a_burst() -> None:
+    """A quota lets short steps run at full speed and then stalls the process (like CFS
+    throttling): 9 steps of 5 ms, then one held for 155 ms, i.e. 200 ms per 10 steps. The worker's
+    real speed is 10 x 2 samples / 0.2 s = 100 samples/s; a single step says 400."""
+    calls = []
+
+    def step() -> int:
+        calls.append(1)
+        time.sleep(0.155 if len(calls) % 10 == 0 else 0.005)
+        return 2
+
+    speed = profile_throughput(step, warmup=0, blocks=3, min_block_s=0.4)
+    assert 70 < speed < 130
 
 
 # --- straggler --------------------------------------------------------------------------------

@@ -75,6 +75,18 @@ def test_max_lead_rounds_from_timestamps() -> None:
     assert max_lead_rounds({0: fast}) is None  # one group: nothing to lead
 
 
+def test_training_curve_excludes_validation_and_start_up() -> None:
+    from medseg.distributed.bench_sites import training_curve
+
+    # training started at t = 100 (after 40 s of start-up); each validation took 3 s
+    records = [
+        {"train_start": 100.0, "time": 113.0, "val_s": 3.0, "val_dice": 0.4},
+        {"train_start": 100.0, "time": 126.0, "val_s": 3.0, "val_dice": 0.7},
+        {"train_start": 100.0, "time": 130.0, "val_dice": None},  # an epoch without validation
+    ]
+    assert training_curve(records) == [(10.0, 0.4), (20.0, 0.7), (24.0, None)]
+
+
 def test_watchdog_bounds_a_long_phase() -> None:
     dog = Watchdog(np_=2, timeout_s=20.0, started=0.0)
     states = {0: _state("validate", 5000.0, since=10.0), 1: _state("wait", 5000.0, since=10.0)}

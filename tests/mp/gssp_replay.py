@@ -106,7 +106,7 @@ class GroupReplay:
                         total = total + other.own[r]
                 else:  # a two-rank allreduce adds the two changes (in either order: the same float)
                     total = everyone[0].own[r] + everyone[1].own[r]
-                update = (total - self.own[r]) / (tau + 1)
+                update = (total - self.own[r]) / max(tau, 1)
                 with torch.no_grad():
                     w = flat(self.params) + update
                     offset = 0
