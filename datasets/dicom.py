@@ -513,8 +513,8 @@ def read_dicom_series(
             return read_multiframe(chosen.files[0], spacing_tolerance=spacing_tolerance)
         example = chosen.multiframe[0]
         raise DataError(
-            f"DICOM series {chosen.uid} in {folder}: holds {chosen.n_files} files of which "
-            f"{len(chosen.multiframe)} are multi-frame (e.g. {example}); medseg reads either one multi-frame "
+            f"DICOM series {chosen.uid} in {folder}: holds {chosen.n_files} files, {len(chosen.multiframe)} of "
+            f"them multi-frame (e.g. {example}); medseg reads either one multi-frame "
             "file or a series of single-frame files. Give the multi-frame file's own path "
             "(medseg data convert FILE.dcm OUT.nii.gz), or remove the odd files"
         )
