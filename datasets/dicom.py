@@ -192,11 +192,14 @@ def is_dicom_bytes(head: bytes) -> bool:
     """True for the start of a DICOM file: "DICM" at byte 128, or (no preamble) a first element of group 0002 or 0008.
 
     Scanners and PACS exports often write files without the 128-byte preamble; every image must hold
-    group 0008 elements (SOPClassUID), so such a file starts with a tag of group 0002 or 0008.
+    group 0008 elements (SOPClassUID), so such a file starts with a tag of group 0002 or 0008, stored
+    little endian or (retired Explicit VR Big Endian, still found in archives) big endian.
     """
     if len(head) >= 132 and head[128:132] == b"DICM":
         return True
-    return len(head) >= 8 and struct.unpack("<H", head[:2])[0] in (0x0002, 0x0008)
+    if len(head) < 8:
+        return False
+    return any(struct.unpack(order, head[:2])[0] in (0x0002, 0x0008) for order in ("<H", ">H"))
 
 
 def is_dicom_file(path: str | os.PathLike) -> bool:
@@ -212,15 +215,17 @@ def is_dicom_file(path: str | os.PathLike) -> bool:
 
 
 def _looks_like_dicom(ds: Dataset) -> bool:
-    """A dataset read with force=True is DICOM only if it holds a well-formed UID where DICOM puts one."""
+    """A dataset read with force=True is DICOM if it holds a well-formed UID where DICOM puts one, or an
+    image: Rows and Columns (with PixelData when the pixels were read). An image without its UIDs is
+    then refused by name by the folder scan, never dropped without a word."""
     try:
         for tag in ("SOPClassUID", "SeriesInstanceUID", "SOPInstanceUID"):
             value = ds.get(tag)
             if value is not None and _UID_RE.fullmatch(str(value)):
                 return True
+        return int(ds.get("Rows", 0) or 0) > 0 and int(ds.get("Columns", 0) or 0) > 0
     except Exception:  # noqa: BLE001 - garbage parsed as elements fails on access in many ways
         return False
-    return False
 
 
 def _set_transfer_syntax(ds: Dataset) -> None:
@@ -254,13 +259,17 @@ def read_header(path: str | Path, *, headers_only: bool = True) -> Dataset | Non
     except InvalidDicomError:
         return None
     except Exception as e:  # pydicom raises many kinds on corrupt files
-        if not preamble:
+        if not preamble:  # only its first two bytes said DICOM: skip it, but say so
+            logger.warning(
+                "skipping %s: it starts like DICOM without preamble but cannot be parsed (%s)", path, e
+            )
             return None
         raise DataError(
             f"{path} looks like DICOM but cannot be read ({e}); replace or remove the file"
         ) from e
     if not preamble:
         if not _looks_like_dicom(ds):
+            logger.debug("skipping %s: parsed without preamble, but holds no DICOM UIDs", path)
             return None
         _set_transfer_syntax(ds)
     return ds
