@@ -228,7 +228,9 @@ def test_monai_load_image_with_reader(tmp_path):
     write_dicom_series(volume, affine, tmp_path / "s")
     reader = DicomSeriesReader()
     assert reader.verify_suffix(tmp_path / "s") and reader.verify_suffix([str(tmp_path / "s")])
-    assert not reader.verify_suffix(tmp_path / "s" / "slice_0000.dcm")
+    assert reader.verify_suffix(tmp_path / "s" / "slice_0000.dcm")  # one file: a multi-frame image, say
+    nib.save(nib.Nifti1Image(volume, affine), tmp_path / "v.nii")
+    assert not reader.verify_suffix(tmp_path / "v.nii") and not reader.verify_suffix(tmp_path / "none.dcm")
     img = LoadImage(reader=reader, image_only=True)(tmp_path / "s")
     assert isinstance(img, MetaTensor) and tuple(img.shape) == volume.shape
     np.testing.assert_allclose(img.affine.numpy(), affine, atol=1e-4)
