@@ -50,7 +50,7 @@ def load_image(source: str | Path, series_uid: str | None = None, resample: bool
     dicom_file = is_dicom_file(source)
     if source.is_file() and not source.name.endswith(NIFTI_SUFFIXES) and not dicom_file:
         raise DataError(
-            f"{source}: neither a NIfTI file (.nii, .nii.gz) nor a DICOM file; give one of those, or the "
+            f"{source}: not a NIfTI file (.nii, .nii.gz) and not a DICOM file; give one of those, or the "
             "folder that holds a DICOM series"
         )
     if source.is_file() and not dicom_file:
