@@ -94,6 +94,18 @@ def test_enhanced_ct_sop_class_and_file_without_preamble(tmp_path: Path) -> None
         np.testing.assert_allclose(volume, expected_volume, rtol=1e-6, atol=1e-4)
 
 
+def test_viewer_upload_reads_a_multiframe_file(tmp_path: Path) -> None:
+    from medseg.apps.upload import UploadedBytes, read_upload
+
+    series = _case_series("ct-oblique", tmp_path)
+    mf = to_multiframe(series, tmp_path / "mf")
+    result = read_upload([UploadedBytes(mf.name, mf.read_bytes())])
+    expected_volume, expected_affine, _ = read_dicom_series(series)
+    assert result.source == "DICOM" and result.headers is None  # no DICOM-SEG export for it (yet)
+    np.testing.assert_allclose(result.image.affine.numpy(), expected_affine, atol=1e-4)
+    np.testing.assert_allclose(result.image[0].numpy(), expected_volume, rtol=1e-6, atol=1e-4)
+
+
 def test_infer_accepts_a_multiframe_file(seg_run, seg_data: Path, tmp_path: Path, capsys) -> None:
     """`medseg infer --input FILE.dcm` on a multi-frame file gives the mask of the series it came from."""
     scan = nib.load(next((seg_data / "imagesTs").glob("*.nii.gz")))
