@@ -94,6 +94,41 @@ def test_enhanced_ct_sop_class_and_file_without_preamble(tmp_path: Path) -> None
         np.testing.assert_allclose(volume, expected_volume, rtol=1e-6, atol=1e-4)
 
 
+def test_rescale_is_applied_per_frame(tmp_path: Path) -> None:
+    """PixelValueTransformationSequence moved into the per-frame groups, one frame with its own scale."""
+    series = _case_series("ct-oblique", tmp_path)
+    mf = to_multiframe(series, tmp_path / "mf")
+    ds = pydicom.dcmread(mf)
+    shared = ds.SharedFunctionalGroupsSequence[0]
+    transform = shared.PixelValueTransformationSequence[0]
+    del shared.PixelValueTransformationSequence
+    odd = 2  # this frame's values are stored * 3 - 500
+    for f, item in enumerate(ds.PerFrameFunctionalGroupsSequence):
+        own = pydicom.Dataset()
+        own.RescaleSlope, own.RescaleIntercept = (
+            ("3", "-500")
+            if f == odd
+            else (
+                transform.RescaleSlope,
+                transform.RescaleIntercept,
+            )
+        )
+        own.RescaleType = transform.RescaleType
+        item.PixelValueTransformationSequence = pydicom.Sequence([own])
+    ds.save_as(mf, enforce_file_format=True)
+    expected_volume, _, _ = read_dicom_series(series)
+    volume, _, _ = read_dicom_series(mf)
+    iop = np.array(shared.PlaneOrientationSequence[0].ImageOrientationPatient, float)
+    d = [
+        float(np.cross(iop[:3], iop[3:]) @ np.array(f.PlanePositionSequence[0].ImagePositionPatient, float))
+        for f in ds.PerFrameFunctionalGroupsSequence
+    ]
+    k = sorted(d).index(d[odd])  # where that frame lands along the normal
+    np.testing.assert_allclose(volume[:, :, k], ds.pixel_array[odd].T * 3.0 - 500.0, rtol=1e-6)
+    others = [i for i in range(volume.shape[2]) if i != k]
+    np.testing.assert_allclose(volume[:, :, others], expected_volume[:, :, others], rtol=1e-6, atol=1e-4)
+
+
 def test_viewer_upload_reads_a_multiframe_file(tmp_path: Path) -> None:
     from medseg.apps.upload import UploadedBytes, read_upload
 
