@@ -6,6 +6,10 @@ column index is i and row index is j: ``pixel_array = volume[:, :, k].T``.
 
 Unlike MONAI's ``PydicomReader``, the reader never averages uneven slice gaps: missing slices or
 uneven spacing raise :class:`~medseg.errors.DataError` unless ``resample=True`` is asked for.
+
+Enhanced and Legacy Converted Enhanced CT/MR images (one file, every frame, geometry per frame in
+functional groups) are read by :func:`read_multiframe`, from the file's path or from a folder whose
+series is that one file; k then runs along the slice normal as well.
 """
 
 from __future__ import annotations
@@ -494,7 +498,10 @@ def read_dicom_series(
     resample: bool = False,
     spacing_tolerance: float = 0.01,
 ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """Read one series into (float32 volume indexed (i, j, k), RAS affine 4x4, meta dict)."""
+    """Read one series into (float32 volume indexed (i, j, k), RAS affine 4x4, meta dict).
+
+    ``folder`` may also be one DICOM file: a multi-frame image, or a single slice.
+    """
     folder = Path(folder)
     if folder.is_file():
         return _read_one_file(folder, series_uid=series_uid, spacing_tolerance=spacing_tolerance)
