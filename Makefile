@@ -7,7 +7,7 @@ MEDSEG := $(BIN)/medseg
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.medseg-setup
 
-.PHONY: setup demo test bench lint app browser sites-deps
+.PHONY: setup demo test bench lint app browser sites-deps dicom-deps
 
 setup: $(STAMP)
 
@@ -38,7 +38,7 @@ demo: setup
 	$(MEDSEG) evaluate --run runs/demo-cls --data data/synth-cls-holdout
 	$(BIN)/python scripts/demo_report.py
 
-test: setup browser sites-deps
+test: setup browser sites-deps dicom-deps
 	$(BIN)/python -m pytest -q tests
 
 # The viewer on http://localhost:8501 (RUNS=dir, PORT=n to change).
@@ -58,6 +58,12 @@ sites-deps:
 	  command -v unshare >/dev/null && command -v nsenter >/dev/null || \
 	  ($(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
 	    openssh-server openssh-client iproute2 util-linux)
+
+# Debian's dcm2niix, the independent DICOM -> NIfTI converter that tests/test_dicom_multiframe.py
+# checks medseg's DICOM geometry against; installed only when missing.
+dicom-deps:
+	command -v dcm2niix >/dev/null || \
+	  ($(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q dcm2niix)
 
 # Writes docs/benchmarks.md's sites and memory sections and their PNGs (about 10 minutes with QUICK=1).
 bench: setup

@@ -225,7 +225,7 @@ def _headers(series: SeriesInfo, n_slices: int) -> list[Dataset] | None:
     """The series' headers sorted along the slice normal, as the DICOM reader stacks the slices."""
     read = [read_header(p) for p in series.files]
     headers = [h for h in read if h is not None]
-    if len(headers) != len(read):
+    if len(headers) != len(read) or len(headers) != n_slices:  # e.g. one multi-frame file: no DICOM-SEG
         return None
     iop = np.array([float(v) for v in headers[0].ImageOrientationPatient])
     normal = np.cross(iop[:3], iop[3:])

@@ -6,6 +6,10 @@ column index is i and row index is j: ``pixel_array = volume[:, :, k].T``.
 
 Unlike MONAI's ``PydicomReader``, the reader never averages uneven slice gaps: missing slices or
 uneven spacing raise :class:`~medseg.errors.DataError` unless ``resample=True`` is asked for.
+
+Enhanced and Legacy Converted Enhanced CT/MR images (one file, every frame, geometry per frame in
+functional groups) are read by :func:`read_multiframe`, from the file's path or from a folder whose
+series is that one file; k then runs along the slice normal as well.
 """
 
 from __future__ import annotations
@@ -28,9 +32,13 @@ from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.errors import InvalidDicomError
 from pydicom.uid import (
     CTImageStorage,
+    EnhancedCTImageStorage,
+    EnhancedMRImageStorage,
     ExplicitVRBigEndian,
     ExplicitVRLittleEndian,
     ImplicitVRLittleEndian,
+    LegacyConvertedEnhancedCTImageStorage,
+    LegacyConvertedEnhancedMRImageStorage,
     generate_uid,
 )
 from pydicom.valuerep import format_number_as_ds
@@ -178,6 +186,7 @@ class SeriesInfo:
     modality: str
     n_files: int
     files: list[Path] = field(default_factory=list)
+    multiframe: list[Path] = field(default_factory=list)  # files holding more than one frame
 
 
 _IMAGE_TAGS = ("SOPClassUID", "SeriesInstanceUID", "Rows")
@@ -187,23 +196,40 @@ def is_dicom_bytes(head: bytes) -> bool:
     """True for the start of a DICOM file: "DICM" at byte 128, or (no preamble) a first element of group 0002 or 0008.
 
     Scanners and PACS exports often write files without the 128-byte preamble; every image must hold
-    group 0008 elements (SOPClassUID), so such a file starts with a tag of group 0002 or 0008.
+    group 0008 elements (SOPClassUID), so such a file starts with a tag of group 0002 or 0008, stored
+    little endian or (retired Explicit VR Big Endian, still found in archives) big endian.
     """
     if len(head) >= 132 and head[128:132] == b"DICM":
         return True
-    return len(head) >= 8 and struct.unpack("<H", head[:2])[0] in (0x0002, 0x0008)
+    if len(head) < 8:
+        return False
+    return any(struct.unpack(order, head[:2])[0] in (0x0002, 0x0008) for order in ("<H", ">H"))
+
+
+def is_dicom_file(path: str | os.PathLike) -> bool:
+    """True for an existing file that is not NIfTI and starts like DICOM (see :func:`is_dicom_bytes`)."""
+    path = Path(path)
+    if not path.is_file() or path.name.lower().endswith((".nii", ".nii.gz")):
+        return False
+    try:
+        with open(path, "rb") as f:
+            return is_dicom_bytes(f.read(132))
+    except OSError:
+        return False
 
 
 def _looks_like_dicom(ds: Dataset) -> bool:
-    """A dataset read with force=True is DICOM only if it holds a well-formed UID where DICOM puts one."""
+    """A dataset read with force=True is DICOM if it holds a well-formed UID where DICOM puts one, or an
+    image: Rows and Columns (with PixelData when the pixels were read). An image without its UIDs is
+    then refused by name by the folder scan, never dropped without a word."""
     try:
         for tag in ("SOPClassUID", "SeriesInstanceUID", "SOPInstanceUID"):
             value = ds.get(tag)
             if value is not None and _UID_RE.fullmatch(str(value)):
                 return True
+        return int(ds.get("Rows", 0) or 0) > 0 and int(ds.get("Columns", 0) or 0) > 0
     except Exception:  # noqa: BLE001 - garbage parsed as elements fails on access in many ways
         return False
-    return False
 
 
 def _set_transfer_syntax(ds: Dataset) -> None:
@@ -237,13 +263,17 @@ def read_header(path: str | Path, *, headers_only: bool = True) -> Dataset | Non
     except InvalidDicomError:
         return None
     except Exception as e:  # pydicom raises many kinds on corrupt files
-        if not preamble:
+        if not preamble:  # only its first two bytes said DICOM: skip it, but say so
+            logger.warning(
+                "skipping %s: it starts like DICOM without preamble but cannot be parsed (%s)", path, e
+            )
             return None
         raise DataError(
             f"{path} looks like DICOM but cannot be read ({e}); replace or remove the file"
         ) from e
     if not preamble:
         if not _looks_like_dicom(ds):
+            logger.debug("skipping %s: parsed without preamble, but holds no DICOM UIDs", path)
             return None
         _set_transfer_syntax(ds)
     return ds
@@ -293,6 +323,8 @@ def scan_folder(folder: str | Path) -> FolderScan:
         )
         info.files.append(path)
         info.n_files += 1
+        if n_frames(ds) > 1:
+            info.multiframe.append(path)
     return FolderScan(list(found.values()), skipped)
 
 
@@ -466,8 +498,13 @@ def read_dicom_series(
     resample: bool = False,
     spacing_tolerance: float = 0.01,
 ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """Read one series into (float32 volume indexed (i, j, k), RAS affine 4x4, meta dict)."""
+    """Read one series into (float32 volume indexed (i, j, k), RAS affine 4x4, meta dict).
+
+    ``folder`` may also be one DICOM file: a multi-frame image, or a single slice.
+    """
     folder = Path(folder)
+    if folder.is_file():
+        return _read_one_file(folder, series_uid=series_uid, spacing_tolerance=spacing_tolerance)
     scan = scan_folder(folder)
     series = scan.series
     if not series:
@@ -487,6 +524,23 @@ def read_dicom_series(
             f"{folder} holds no series with UID {series_uid}; the series there are:\n{_describe(series)}"
         )
 
+    if chosen.multiframe:
+        if chosen.n_files == 1:
+            return read_multiframe(chosen.files[0], spacing_tolerance=spacing_tolerance)
+        example = chosen.multiframe[0]
+        raise DataError(
+            f"DICOM series {chosen.uid} in {folder}: holds {chosen.n_files} files, {len(chosen.multiframe)} of "
+            f"them multi-frame (e.g. {example}); medseg reads either one multi-frame "
+            "file or a series of single-frame files. Give the multi-frame file's own path "
+            "(medseg data convert FILE.dcm OUT.nii.gz), or remove the odd files"
+        )
+    return _read_slices(chosen, folder, scan.skipped, resample, spacing_tolerance)
+
+
+def _read_slices(
+    chosen: SeriesInfo, folder: Path, skipped: list[Path], resample: bool, spacing_tolerance: float
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Stack the single-frame files of one series along their slice normal, with every check."""
     first = _read(chosen.files[0], headers_only=True)
     if first is not None and "Rows" in first and "Columns" in first:
         check_memory(
@@ -499,10 +553,8 @@ def read_dicom_series(
         ds = _read(path, headers_only=False)
         if ds is None or any(tag not in ds for tag in ("Rows", "Columns", "PixelData")):
             raise DataError(f"{path} holds no image size or pixel data (truncated?); replace or remove it")
-        if int(ds.get("NumberOfFrames", 1) or 1) > 1:
-            raise DataError(
-                f"{path} is a multi-frame DICOM file, which is not supported; export single frames"
-            )
+        if n_frames(ds) > 1:  # the headers said one frame, the whole file says more: changed meanwhile
+            raise DataError(f"{path} is a multi-frame DICOM file inside a single-frame series; remove it")
         iop = _floats(ds, path, "ImageOrientationPatient", 6)
         ipp = _floats(ds, path, "ImagePositionPatient", 3)
         ps = _floats(ds, path, "PixelSpacing", 2)
@@ -551,10 +603,10 @@ def read_dicom_series(
         except DataError:
             if not resample:
                 raise
-            if scan.skipped:
+            if skipped:
                 raise DataError(
-                    f"{where}: slices are missing or unevenly spaced, and the folder holds {len(scan.skipped)} "
-                    f"file(s) that are not slices of this series (e.g. {scan.skipped[0]}); a missing slice may "
+                    f"{where}: slices are missing or unevenly spaced, and the folder holds {len(skipped)} "
+                    f"file(s) that are not slices of this series (e.g. {skipped[0]}); a missing slice may "
                     "be among them, so --resample will not interpolate it. Remove those files or repair them"
                 ) from None
             n_out = int(round((pos[-1] - pos[0]) / float(np.median(gaps)))) + 1
@@ -594,6 +646,292 @@ def read_dicom_series(
     return np.ascontiguousarray(volume, dtype=np.float32), affine, meta
 
 
+def _read_one_file(
+    path: Path, *, series_uid: str | None, spacing_tolerance: float
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """One DICOM file given by its path: a multi-frame image, or a single slice read as a series of one."""
+    path = check_input_path(path, "DICOM file")
+    ds = read_header(path, headers_only=True)
+    if ds is None:
+        raise DataError(
+            f"{path} is not a DICOM file (pydicom cannot parse it as one, with or without preamble); give a "
+            "DICOM image file, the folder of a series, or a NIfTI file (.nii, .nii.gz)"
+        )
+    if series_uid is not None and str(ds.get("SeriesInstanceUID", "")) != series_uid:
+        raise DataError(
+            f"{path} belongs to series {ds.get('SeriesInstanceUID', '(none)')}, not {series_uid}; drop "
+            "--series or give the folder that holds that series"
+        )
+    if n_frames(ds) > 1:
+        return read_multiframe(path, spacing_tolerance=spacing_tolerance)
+    # a single slice, read as a series of one file (its siblings are not looked at)
+    info = SeriesInfo(
+        str(ds.get("SeriesInstanceUID", "")),
+        str(ds.get("SeriesDescription", "")),
+        str(ds.get("Modality", "")),
+        1,
+    )
+    info.files.append(path)
+    return _read_slices(info, path, [], False, spacing_tolerance)
+
+
+# ------------------------------------------------------------------------------ multi-frame images
+
+# One file, many frames, geometry per frame in functional groups (DICOM PS3.3 C.7.6.16).
+MULTIFRAME_SOP_CLASSES = {
+    EnhancedCTImageStorage: "Enhanced CT",
+    LegacyConvertedEnhancedCTImageStorage: "Legacy Converted Enhanced CT",
+    EnhancedMRImageStorage: "Enhanced MR",
+    LegacyConvertedEnhancedMRImageStorage: "Legacy Converted Enhanced MR",
+}
+_PERPENDICULAR_TOL = 1e-3  # highdicom's: |cos(stacking direction, normal)| must be within this of 1
+
+
+def n_frames(ds: Dataset) -> int:
+    """NumberOfFrames, 1 when absent or empty."""
+    try:
+        return int(ds.get("NumberOfFrames", 1) or 1)
+    except (TypeError, ValueError):
+        return 1
+
+
+def _functional_group(ds: Dataset, frame: int, sequence: str) -> Dataset | None:
+    """The first item of ``sequence`` for one frame: the per-frame group wins over the shared group.
+
+    The standard puts each functional group macro in exactly one of the two; a per-frame copy is
+    taken first so that a file that (wrongly) has both is read by its per-frame values.
+    """
+    for groups, index in (("PerFrameFunctionalGroupsSequence", frame), ("SharedFunctionalGroupsSequence", 0)):
+        items = ds.get(groups)
+        if items is not None and index < len(items):
+            seq = items[index].get(sequence)
+            if seq:
+                return seq[0]
+    return None
+
+
+@dataclass
+class FrameGeometry:
+    """Per-frame geometry of a multi-frame image, read straight from its functional groups (LPS, mm)."""
+
+    positions: np.ndarray  # (n, 3) ImagePositionPatient of each frame's first pixel
+    orientations: np.ndarray  # (n, 6) ImageOrientationPatient: row cosines, then column cosines
+    pixel_spacing: np.ndarray  # (n, 2) between rows, between columns
+    stack_ids: list[str]
+    temporal: list[str]  # TemporalPositionIndex per frame ("" when absent)
+    spacing_hint: float | None  # SpacingBetweenSlices of the first frame, when given
+
+
+def frame_geometry(ds: Dataset, path: Path) -> FrameGeometry:
+    """Read PlanePosition, PlaneOrientation, PixelMeasures and FrameContent of every frame."""
+    n = n_frames(ds)
+    per_frame = ds.get("PerFrameFunctionalGroupsSequence")
+    if per_frame is None or len(per_frame) != n:
+        raise DataError(
+            f"{path}: a multi-frame image of {n} frames needs a PerFrameFunctionalGroupsSequence of {n} "
+            f"items, found {0 if per_frame is None else len(per_frame)}; the file is damaged or not an "
+            "Enhanced image. Export the series as single frames"
+        )
+
+    def value(frame: int, sequence: str, tag: str, count: int) -> np.ndarray:
+        item = _functional_group(ds, frame, sequence)
+        raw = item[tag].value if item is not None and tag in item else None
+        if raw is None or len(raw) != count:
+            raise DataError(
+                f"{path}: frame {frame + 1} has no {sequence} > {tag} ({count} numbers), neither per frame "
+                "nor shared; its place in space cannot be known. Repair or re-export the file"
+            )
+        return np.array([float(v) for v in raw], dtype=np.float64)
+
+    positions = np.array([value(f, "PlanePositionSequence", "ImagePositionPatient", 3) for f in range(n)])
+    orientations = np.array(
+        [value(f, "PlaneOrientationSequence", "ImageOrientationPatient", 6) for f in range(n)]
+    )
+    spacing = np.array([value(f, "PixelMeasuresSequence", "PixelSpacing", 2) for f in range(n)])
+    content = [_functional_group(ds, f, "FrameContentSequence") for f in range(n)]
+    stack_ids = [str(c.get("StackID", "")) if c is not None else "" for c in content]
+    temporal = [str(c.get("TemporalPositionIndex", "")) if c is not None else "" for c in content]
+    measures = _functional_group(ds, 0, "PixelMeasuresSequence")
+    hint = None if measures is None else _opt_float(measures, path, "SpacingBetweenSlices")
+    return FrameGeometry(positions, orientations, spacing, stack_ids, temporal, hint)
+
+
+def check_frame_geometry(geom: FrameGeometry, path: Path, spacing_tolerance: float = 0.01) -> np.ndarray:
+    """Refuse frames that are not one regular stack; return the frame order along the slice normal.
+
+    With row cosines r, column cosines c and normal n = r x c, frame f sits at d_f = n . IPP_f.
+    One stack means: one StackID and one temporal position, the same orientation (within 1e-4) and
+    pixel spacing (relative 1e-4) in every frame, distinct d_f, IPP_f - IPP_0 parallel to n
+    (|cos| within 1e-3 of 1, as highdicom asks: no gantry tilt), and consecutive gaps of the sorted
+    d_f equal within ``spacing_tolerance`` of their median (at least 1e-3 mm).
+    """
+    where = f"{path} (multi-frame, {len(geom.positions)} frames)"
+    for name, labels in (
+        ("stacks (StackID", geom.stack_ids),
+        ("temporal positions (TemporalPositionIndex", geom.temporal),
+    ):
+        kinds = sorted(set(labels))
+        if len(kinds) > 1:
+            counts = ", ".join(f"{k or '(none)'}: {labels.count(k)} frames" for k in kinds[:4])
+            raise DataError(
+                f"{where}: holds {len(kinds)} {name} {counts}); medseg reads one regular stack of "
+                "frames. Export each stack as its own file or series"
+            )
+    iop0, ps0 = geom.orientations[0], geom.pixel_spacing[0]
+    for f in range(1, len(geom.positions)):
+        if not np.allclose(geom.orientations[f], iop0, atol=1e-4):
+            raise DataError(
+                f"{where}: frame {f + 1} has ImageOrientationPatient {np.round(geom.orientations[f], 5).tolist()} "
+                f"but frame 1 has {np.round(iop0, 5).tolist()}; frames of one volume share one orientation. "
+                "The file holds several stacks (a localizer, several planes?): export the one you want alone"
+            )
+        if not np.allclose(geom.pixel_spacing[f], ps0, rtol=1e-4, atol=1e-6):
+            raise DataError(
+                f"{where}: frame {f + 1} has PixelSpacing {geom.pixel_spacing[f].tolist()} but frame 1 has "
+                f"{ps0.tolist()}; frames of one volume share one pixel spacing. Export one stack alone"
+            )
+    row, col = iop0[:3] / np.linalg.norm(iop0[:3]), iop0[3:] / np.linalg.norm(iop0[3:])
+    normal = np.cross(row, col)
+    d = geom.positions @ normal
+    order = np.argsort(d, kind="stable")
+    if len(order) == 1:
+        return order
+    gaps = np.diff(d[order])
+    if np.any(gaps < 1e-3):
+        g = int(np.flatnonzero(gaps < 1e-3)[0])
+        raise DataError(
+            f"{where}: frames {order[g] + 1} and {order[g + 1] + 1} share the slice position "
+            f"{d[order[g]]:.3f} mm; the file holds several stacks (echoes, phases, repeats). Export each "
+            "stack as its own file"
+        )
+    spans = geom.positions[order[1:]] - geom.positions[order[0]]
+    cos = np.abs(spans @ normal) / np.linalg.norm(spans, axis=1)
+    if np.any(cos < 1 - _PERPENDICULAR_TOL):
+        f = int(order[1:][np.argmin(cos)])
+        tilt = float(np.degrees(np.arccos(np.clip(cos.min(), -1, 1))))
+        raise DataError(
+            f"{where}: frame {f + 1} lies {tilt:.2f} degrees off the slice normal of frame {order[0] + 1} "
+            "(gantry tilt, or frames of different stacks); medseg reads only frames stacked along their "
+            "normal. Export the series resampled onto an untilted grid"
+        )
+    median = float(np.median(gaps))
+    if np.any(np.abs(gaps - median) > max(spacing_tolerance * median, 1e-3)):
+        raise DataError(
+            f"{where}: uneven slice spacing, gaps between consecutive frames {np.round(gaps, 4).tolist()} mm "
+            f"(tolerance {spacing_tolerance:.0%}); medseg does not interpolate multi-frame files. Export a "
+            "regularly spaced stack, or the frames as a single-frame series (then --resample applies)"
+        )
+    if geom.spacing_hint is not None and not math.isclose(
+        abs(geom.spacing_hint), median, rel_tol=spacing_tolerance, abs_tol=1e-3
+    ):
+        raise DataError(
+            f"{where}: SpacingBetweenSlices is {geom.spacing_hint:g} mm but the frames lie {median:.4g} mm "
+            "apart along the slice normal; the header contradicts itself. Repair or re-export the file"
+        )
+    return order
+
+
+def read_multiframe(
+    path: str | Path, ds: Dataset | None = None, *, spacing_tolerance: float = 0.01
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Read an Enhanced or Legacy Converted Enhanced CT/MR image into (volume (i, j, k), RAS affine, meta).
+
+    The frames are checked with :func:`check_frame_geometry` (pydicom, for messages that name the
+    frame), then stacked by highdicom's ``Image.get_volume``, which applies each frame's
+    PixelValueTransformationSequence (rescale slope and intercept) and returns the voxels as
+    (slice, row, column) with an LPS affine ``A``. medseg's axes are (column, row, slice), so the
+    volume is transposed and ``A``'s first three columns reversed; if the slice axis then points
+    against the normal n = r x c, k is reversed (origin moved to the last slice, step negated), so
+    that k runs along n as it does for single-frame series. Finally ``RAS = diag(-1, -1, 1, 1) @ LPS``.
+    """
+    import highdicom as hd
+
+    path = Path(path)
+    header = ds if ds is not None else read_header(path, headers_only=True)
+    if header is None:
+        raise DataError(f"{path} is not a DICOM file; give a DICOM image or the folder of a series")
+    sop = str(header.get("SOPClassUID", "") or header.file_meta.get("MediaStorageSOPClassUID", ""))
+    if sop not in MULTIFRAME_SOP_CLASSES:
+        name = getattr(pydicom.uid.UID(sop), "name", sop) if sop else "no SOPClassUID"
+        raise DataError(
+            f"{path} is a multi-frame DICOM file of {name}, which medseg does not read; it reads "
+            f"{', '.join(MULTIFRAME_SOP_CLASSES.values())} images and single-frame series"
+        )
+    if "Rows" not in header or "Columns" not in header:
+        raise DataError(f"{path} holds no image size (Rows, Columns); the file is damaged, replace it")
+    n = n_frames(header)
+    check_memory(
+        int(header.Rows) * int(header.Columns) * n,
+        max(int(header.get("BitsAllocated", 16) or 16) // 8, 1),
+        f"multi-frame DICOM file {path}",
+    )
+    geom = frame_geometry(header, path)
+    order = check_frame_geometry(geom, path, spacing_tolerance)
+    if ds is None or "PixelData" not in ds:
+        ds = read_header(path, headers_only=False)
+    if ds is None or "PixelData" not in ds:
+        raise DataError(f"{path} holds no pixel data (truncated?); replace it")
+    try:
+        image = hd.Image.from_dataset(ds, copy=False)
+        vol = image.get_volume(
+            dtype=np.float32,
+            apply_real_world_transform=False,  # stored values with the modality rescale, like single frames
+            apply_voi_transform=False,
+            apply_presentation_lut=False,
+            rtol=spacing_tolerance,
+        )
+    except DataError:
+        raise
+    except Exception as e:  # highdicom and the pixel decoders raise many kinds
+        raise DataError(
+            f"{path}: the multi-frame image cannot be read as one volume ({type(e).__name__}: {e}); "
+            "if its transfer syntax is compressed an extra decoder (pylibjpeg, gdcm) may be needed"
+        ) from e
+    array = np.asarray(vol.array)
+    if array.ndim != 3 or array.shape[0] != n:
+        raise DataError(
+            f"{path}: highdicom stacked {n} frames into a volume of shape {array.shape}; expected {n} "
+            "slices. The frames do not form one volume: export one stack alone"
+        )
+    volume = np.ascontiguousarray(array.transpose(2, 1, 0), dtype=np.float32)
+    lps = np.eye(4)
+    lps[:3, :3] = np.asarray(vol.affine, dtype=np.float64)[:3, 2::-1]
+    lps[:3, 3] = np.asarray(vol.affine, dtype=np.float64)[:3, 3]
+    iop0 = geom.orientations[0]
+    normal = np.cross(iop0[:3], iop0[3:])
+    if n > 1 and float(lps[:3, 2] @ normal) < 0:
+        volume = np.ascontiguousarray(volume[:, :, ::-1])
+        lps[:3, 3] = lps[:3, 3] + (n - 1) * lps[:3, 2]
+        lps[:3, 2] = -lps[:3, 2]
+    if n == 1:  # a single frame: highdicom takes SpacingBetweenSlices or 1 mm; use the thickness first
+        measures = _functional_group(header, 0, "PixelMeasuresSequence")
+        thickness = None if measures is None else _opt_float(measures, path, "SliceThickness")
+        if thickness:
+            lps[:3, 2] = normal / np.linalg.norm(normal) * thickness
+    first = geom.positions[order[0]]
+    if np.linalg.norm(lps[:3, 3] - first) > 1e-3:
+        raise DataError(
+            f"{path}: highdicom placed the first slice at {lps[:3, 3].round(4).tolist()} but the frame "
+            f"nearest along the normal is at {first.round(4).tolist()}; refusing an ambiguous geometry"
+        )
+    affine = _FLIP @ lps
+    spacing = [float(v) for v in np.linalg.norm(lps[:3, :3], axis=0)]
+    meta: dict[str, Any] = {
+        "spacing": spacing,
+        "modality": str(header.get("Modality", "")),
+        "series_uid": str(header.get("SeriesInstanceUID", "")),
+        "series_description": str(header.get("SeriesDescription", "")),
+        "n_slices": int(volume.shape[2]),
+        "n_files": 1,
+        "n_frames": n,
+        "sop_class": MULTIFRAME_SOP_CLASSES[sop],
+        "resampled": False,
+        "filename_or_obj": str(path),
+    }
+    logger.info("read %s: %s, %d frames, spacing %s mm", path, meta["sop_class"], n, spacing)
+    return volume, affine, meta
+
+
 @dataclass
 class _SeriesRead:
     """What DicomSeriesReader.read found: the read series, or the DataError to raise in get_data."""
@@ -619,10 +957,12 @@ class DicomSeriesReader(ImageReader):
         self.series_uid, self.resample, self.spacing_tolerance = series_uid, resample, spacing_tolerance
 
     def verify_suffix(self, filename: Sequence[str | os.PathLike] | str | os.PathLike) -> bool:
-        """True for one existing directory (or a list/tuple holding exactly one)."""
+        """True for one existing directory or DICOM file (or a list/tuple holding exactly one)."""
         if isinstance(filename, list | tuple):
-            return len(filename) == 1 and Path(filename[0]).is_dir()
-        return Path(filename).is_dir()
+            if len(filename) != 1:
+                return False
+            filename = filename[0]
+        return Path(filename).is_dir() or is_dicom_file(filename)
 
     def read(self, data: Sequence[str | os.PathLike] | str | os.PathLike, **kwargs: Any) -> _SeriesRead:
         """Read the series in one folder; kwargs may override series_uid, resample, spacing_tolerance."""

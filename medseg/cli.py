@@ -232,8 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--test", type=int, default=2, help="unlabelled test cases")
         s.add_argument("--seed", type=int, default=0)
         s.set_defaults(func=fn)
-    s = data.add_parser("convert", help="DICOM series folder -> NIfTI, geometry preserved")
-    s.add_argument("dicom_dir", type=Path)
+    s = data.add_parser(
+        "convert", help="DICOM series folder or multi-frame DICOM file -> NIfTI, geometry preserved"
+    )
+    s.add_argument(
+        "dicom_dir", type=Path, help="DICOM series folder, or one (Enhanced multi-frame) DICOM file"
+    )
     s.add_argument("output", type=Path)
     s.add_argument("--series", help="SeriesInstanceUID to read when the folder holds several series")
     s.add_argument(
@@ -378,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("infer", help="run a trained model on a NIfTI file or DICOM series folder")
     s.add_argument("--run", type=Path, required=True, help="run folder (runs/NAME) or bundle folder")
-    s.add_argument("--input", type=Path, required=True, help="NIfTI file or DICOM series folder")
+    s.add_argument("--input", type=Path, required=True, help="NIfTI file, DICOM series folder or DICOM file")
     s.add_argument(
         "--output", type=Path, required=True, help="OUT.nii.gz (segmentation) or OUT.json (classification)"
     )

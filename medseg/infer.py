@@ -40,15 +40,20 @@ class Prediction:
 
 
 def load_image(source: str | Path, series_uid: str | None = None, resample: bool = False) -> MetaTensor:
-    """Read a NIfTI file or a DICOM series folder as a (C, I, J, K) MetaTensor with its RAS affine."""
+    """Read a NIfTI file, a DICOM series folder or one DICOM file (e.g. an Enhanced multi-frame image)
+    as a (C, I, J, K) MetaTensor with its RAS affine."""
+    from medseg.datasets.dicom import is_dicom_file
+
     source = checks.check_input_path(
-        source, "input", hint="give a NIfTI file (.nii, .nii.gz) or a DICOM series folder"
+        source, "input", hint="give a NIfTI file (.nii, .nii.gz), a DICOM series folder or a DICOM file"
     )
-    if source.is_file() and not source.name.endswith(NIFTI_SUFFIXES):
+    dicom_file = is_dicom_file(source)
+    if source.is_file() and not source.name.endswith(NIFTI_SUFFIXES) and not dicom_file:
         raise DataError(
-            f"{source}: not a NIfTI file (.nii, .nii.gz); for DICOM give the folder that holds the series"
+            f"{source}: not a NIfTI file (.nii, .nii.gz) and not a DICOM file; give one of those, or the "
+            "folder that holds a DICOM series"
         )
-    if source.is_file():
+    if source.is_file() and not dicom_file:
         # header checks (size against memory, qform/sform policy) before a single voxel is decompressed
         checks.open_nifti(source)
     image = tf.apply(tf.loader(["image"], series_uid=series_uid, resample=resample), {"image": str(source)})[

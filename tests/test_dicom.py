@@ -228,7 +228,9 @@ def test_monai_load_image_with_reader(tmp_path):
     write_dicom_series(volume, affine, tmp_path / "s")
     reader = DicomSeriesReader()
     assert reader.verify_suffix(tmp_path / "s") and reader.verify_suffix([str(tmp_path / "s")])
-    assert not reader.verify_suffix(tmp_path / "s" / "slice_0000.dcm")
+    assert reader.verify_suffix(tmp_path / "s" / "slice_0000.dcm")  # one file: a multi-frame image, say
+    nib.save(nib.Nifti1Image(volume, affine), tmp_path / "v.nii")
+    assert not reader.verify_suffix(tmp_path / "v.nii") and not reader.verify_suffix(tmp_path / "none.dcm")
     img = LoadImage(reader=reader, image_only=True)(tmp_path / "s")
     assert isinstance(img, MetaTensor) and tuple(img.shape) == volume.shape
     np.testing.assert_allclose(img.affine.numpy(), affine, atol=1e-4)
@@ -267,3 +269,29 @@ def test_writer_rejects_sheared_plane(tmp_path):
     affine[0, 1] = 0.5
     with pytest.raises(DataError, match="shears the i/j plane"):
         write_dicom_series(_volume((4, 4, 2)), affine, tmp_path / "s")
+
+
+def test_big_endian_slice_without_preamble_is_read_not_skipped(tmp_path):
+    # Explicit VR Big Endian (retired, still in archives) with neither preamble nor file meta: its first
+    # bytes are 00 08, not 08 00. Skipping it would leave a 2-slice volume with one regular gap.
+    volume = _volume((6, 5, 3))
+    paths = write_dicom_series(volume, np.diag([0.5, 0.6, 2.0, 1.0]), tmp_path / "s")
+    ds = pydicom.dcmread(paths[1])
+    stored = ds.pixel_array
+    ds.preamble = None
+    del ds.file_meta
+    ds.PixelData = stored.astype(">i2").tobytes()
+    pydicom.dcmwrite(paths[1], ds, implicit_vr=False, little_endian=False, enforce_file_format=False)
+    assert paths[1].read_bytes()[:2] == b"\x00\x08"
+    read, affine, meta = read_dicom_series(tmp_path / "s")
+    assert meta["n_slices"] == 3
+    assert np.abs(read - volume).max() <= _slope(tmp_path / "s") / 2 + 1e-3
+    # an image without its UIDs is named and refused, not dropped from the volume without a word
+    ds = pydicom.dcmread(paths[2])
+    for tag in ("SOPClassUID", "SOPInstanceUID", "SeriesInstanceUID"):
+        delattr(ds, tag)
+    ds.preamble = None
+    del ds.file_meta
+    pydicom.dcmwrite(paths[2], ds, implicit_vr=True, little_endian=True, enforce_file_format=False)
+    with pytest.raises(DataError, match=r"slice_0002\.dcm has an incomplete DICOM header"):
+        read_dicom_series(tmp_path / "s")

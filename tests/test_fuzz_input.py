@@ -497,6 +497,100 @@ def dcm_multiframe(ctx: Ctx):
     return _convert(ctx), "multi-frame"
 
 
+def _enhanced(ctx: Ctx, n: int = 6) -> Path:
+    """A Legacy Converted Enhanced CT file (highdicom) alone in ctx.tmp/series, from a written series."""
+    from .enhanced import to_multiframe
+
+    _series(ctx.tmp / "single", n=n)
+    path = to_multiframe(ctx.tmp / "single", ctx.tmp / "series")
+    shutil.rmtree(ctx.tmp / "single")
+    return path
+
+
+def _frames(
+    fn: Callable[[list[pydicom.Dataset], pydicom.Dataset], None],
+) -> Callable[[pydicom.Dataset], None]:
+    """An edit of the per-frame functional groups (list of items) and the shared group of a multi-frame file."""
+    return lambda ds: fn(list(ds.PerFrameFunctionalGroupsSequence), ds.SharedFunctionalGroupsSequence[0])
+
+
+def _ipp(item: pydicom.Dataset) -> np.ndarray:
+    return np.array([float(v) for v in item.PlanePositionSequence[0].ImagePositionPatient])
+
+
+def dcm_mf_orientation_differs(ctx: Ctx):
+    def turn_one_frame(frames: list[pydicom.Dataset], shared: pydicom.Dataset) -> None:
+        orientation = shared.PlaneOrientationSequence
+        del shared.PlaneOrientationSequence  # moved per frame, as scanners write a multi-planar file
+        for i, item in enumerate(frames):
+            item.PlaneOrientationSequence = pydicom.Sequence([pydicom.Dataset()])
+            iop = [float(v) for v in orientation[0].ImageOrientationPatient]
+            if i == 3:  # this frame turned 90 degrees about the column axis: row direction along z
+                iop = [0.0, 0.0, 1.0, *iop[3:]]
+            item.PlaneOrientationSequence[0].ImageOrientationPatient = iop
+
+    _edit(_enhanced(ctx), _frames(turn_one_frame))
+    return _convert(ctx), "frames of one volume share one orientation"
+
+
+def dcm_mf_uneven_spacing(ctx: Ctx):
+    def shift(frames: list[pydicom.Dataset], shared: pydicom.Dataset) -> None:
+        item = frames[2].PlanePositionSequence[0]
+        item.ImagePositionPatient = [
+            *item.ImagePositionPatient[:2],
+            float(item.ImagePositionPatient[2]) + 0.9,
+        ]
+
+    _edit(_enhanced(ctx), _frames(shift))
+    return _convert(ctx), "uneven slice spacing"
+
+
+def dcm_mf_two_stacks(ctx: Ctx):
+    def two_stacks(frames: list[pydicom.Dataset], shared: pydicom.Dataset) -> None:
+        for i, item in enumerate(frames):
+            item.FrameContentSequence[0].StackID = "1" if i % 2 else "2"
+
+    _edit(_enhanced(ctx), _frames(two_stacks))
+    return _convert(ctx), "holds 2 stacks (StackID"
+
+
+def dcm_mf_repeated_position(ctx: Ctx):
+    def repeat(frames: list[pydicom.Dataset], shared: pydicom.Dataset) -> None:
+        frames[4].PlanePositionSequence[0].ImagePositionPatient = list(_ipp(frames[1]))
+
+    _edit(_enhanced(ctx), _frames(repeat))
+    return _convert(ctx), "share the slice position"
+
+
+def dcm_mf_tilted(ctx: Ctx):
+    def tilt(frames: list[pydicom.Dataset], shared: pydicom.Dataset) -> None:
+        for item in frames:  # a gantry tilt: each frame moves 0.3 mm in-plane per 2.5 mm along z
+            ipp = _ipp(item)
+            item.PlanePositionSequence[0].ImagePositionPatient = [ipp[0], ipp[1] + 0.12 * ipp[2], ipp[2]]
+
+    _edit(_enhanced(ctx), _frames(tilt))
+    return _convert(ctx), "off the slice normal"
+
+
+def dcm_mf_frame_without_position(ctx: Ctx):
+    _edit(_enhanced(ctx), _frames(lambda frames, shared: delattr(frames[3], "PlanePositionSequence")))
+    return _convert(ctx), "frame 4 has no PlanePositionSequence"
+
+
+def dcm_mf_unsupported_sop_class(ctx: Ctx):
+    _edit(_enhanced(ctx), _set(SOPClassUID=pydicom.uid.EnhancedXAImageStorage))
+    return _convert(ctx), "which medseg does not read"
+
+
+def dcm_mf_beside_single_frames(ctx: Ctx):
+    path = _enhanced(ctx)
+    _edit(path, _set(SeriesInstanceUID="1.2.3.4.5"))
+    _series(ctx.tmp / "series" / "more")
+    for f in (ctx.tmp / "series" / "more").iterdir():
+        _edit(f, _set(SeriesInstanceUID="1.2.3.4.5"))
+    return _convert(ctx), "of them multi-frame"
+
+
 def dcm_truncated(ctx: Ctx):
     files = _series(ctx.tmp / "series")
     files[2].write_bytes(files[2].read_bytes()[:200])
