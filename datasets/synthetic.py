@@ -74,17 +74,35 @@ class Scanner:
         codes = self.orientation.upper()
         axes = [{"L": 0, "R": 0, "P": 1, "A": 1, "S": 2, "I": 2}.get(c) for c in codes]
         if len(codes) != 3 or None in axes or len(set(axes)) != 3:
-            raise ConfigError(f"scanner: orientation {self.orientation!r} is not 3 axis codes like LPS or RAS")
+            raise ConfigError(
+                f"scanner: orientation {self.orientation!r} is not 3 axis codes like LPS or RAS"
+            )
 
 
 # Three hospitals that differ the way real ones do (the preset of `medseg data synth-sites`).
 SITE_PRESETS: dict[str, dict[str, Scanner]] = {
     "3-sites": {
         "a": Scanner(),
-        "b": Scanner(scale=0.75, offset=-50.0, noise=35.0, bias=0.15, spacing=0.9, z_factor=2,
-                     orientation="RAS", small=0.3),
-        "c": Scanner(scale=1.25, offset=40.0, noise=25.0, bias=0.3, spacing=0.7, z_factor=4,
-                     orientation="LAS", small=0.6),
+        "b": Scanner(
+            scale=0.75,
+            offset=-50.0,
+            noise=35.0,
+            bias=0.15,
+            spacing=0.9,
+            z_factor=2,
+            orientation="RAS",
+            small=0.3,
+        ),
+        "c": Scanner(
+            scale=1.25,
+            offset=40.0,
+            noise=25.0,
+            bias=0.3,
+            spacing=0.7,
+            z_factor=4,
+            orientation="LAS",
+            small=0.6,
+        ),
     }
 }
 
@@ -92,8 +110,10 @@ SITE_PRESETS: dict[str, dict[str, Scanner]] = {
 def _bias_field(rs: np.random.RandomState, shape: tuple[int, ...]) -> np.ndarray:
     """A smooth field in [-1, 1]: heavily blurred noise plus a random linear ramp."""
     field = gaussian_filter(rs.normal(size=shape), sigma=max(shape) / 4)
-    ramp = sum(rs.uniform(-1, 1) * np.linspace(-1, 1, n).reshape([-1 if i == a else 1 for i in range(3)])
-               for a, n in enumerate(shape))
+    ramp = sum(
+        rs.uniform(-1, 1) * np.linspace(-1, 1, n).reshape([-1 if i == a else 1 for i in range(3)])
+        for a, n in enumerate(shape)
+    )
     field = field / (np.abs(field).max() + 1e-9) + ramp
     return field / (np.abs(field).max() + 1e-9)
 
@@ -218,7 +238,12 @@ def _reorient(
 
 
 def make_site_datasets(
-    out_dir: str | Path, preset: str = "3-sites", n_train: int = 12, n_test: int = 6, seed: int = 0, size: int = 96
+    out_dir: str | Path,
+    preset: str = "3-sites",
+    n_train: int = 12,
+    n_test: int = 6,
+    seed: int = 0,
+    size: int = 96,
 ) -> dict[str, dict[str, Path]]:
     """Write each site of a preset: ``<out>/<site>`` (labelled training cases) and ``<out>/<site>-test``
     (labelled held-out cases, never trained on). Returns {site: {"train": dir, "test": dir}}."""

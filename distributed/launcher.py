@@ -281,9 +281,13 @@ def _attempt(
         what = f"{describe(rank, states.get(rank))} exited with status {code}" + (
             " (killed)" if code in (-9, 137, -15, 143) else ""
         )
-        return _Attempt(False, f"{what}; the other ranks were stopped", rank=rank, code=code, reported=reported)
+        return _Attempt(
+            False, f"{what}; the other ranks were stopped", rank=rank, code=code, reported=reported
+        )
     return _Attempt(
-        False, f"horovodrun exited with status {proc.returncode}; the other ranks were stopped", reported=reported
+        False,
+        f"horovodrun exited with status {proc.returncode}; the other ranks were stopped",
+        reported=reported,
     )
 
 

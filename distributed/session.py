@@ -270,7 +270,9 @@ class HorovodSession(LocalSession):
             from medseg.sitedata import site_share
 
             period_of = {r: p for g, p in zip(self.groups, self.periods) for r in g}
-            periods = [period_of.get(r, 1) if self.dist.sync in ("gssp", "ssp") else 1 for r in range(self.size)]
+            periods = [
+                period_of.get(r, 1) if self.dist.sync in ("gssp", "ssp") else 1 for r in range(self.size)
+            ]
             return site_share(self.rank_sites, self.site_cases, periods, batch_size, self.rank, seed)
         return static_share(n_items, self.groups, self.periods, batch_size, self.rank, seed)
 

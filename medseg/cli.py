@@ -22,7 +22,9 @@ def _data_synth_seg(args: argparse.Namespace) -> None:
 
     changes = {k: getattr(args, k) for k in SCANNER_OPTIONS}
     scanner = scanner_with(None, **changes) if any(v is not None for v in changes.values()) else None
-    out = make_seg_dataset(args.out, n_train=args.cases, n_test=args.test, seed=args.seed, size=args.size, scanner=scanner)
+    out = make_seg_dataset(
+        args.out, n_train=args.cases, n_test=args.test, seed=args.seed, size=args.size, scanner=scanner
+    )
     print(f"segmentation dataset: {out} ({args.cases} training, {args.test} test cases)")
 
 
@@ -274,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--size", type=int, default=96, help="voxels per side before slice thinning")
             for opt, (tp, helptext) in SCANNER_OPTIONS.items():
                 s.add_argument(f"--{opt.replace('_', '-')}", dest=opt, type=tp, help=helptext)
-    s = data.add_parser("synth-sites", help="synthetic hospitals with unlike scanners (a preset), one dataset each")
+    s = data.add_parser(
+        "synth-sites", help="synthetic hospitals with unlike scanners (a preset), one dataset each"
+    )
     s.add_argument("--out", type=Path, required=True, help="folder for <site>/ and <site>-test/")
     s.add_argument("--preset", default="3-sites", help="which hospitals (default 3-sites)")
     s.add_argument("--cases", type=int, default=12, help="training cases per site")

@@ -159,7 +159,9 @@ def parse_data_args(values: list[str]) -> list[tuple[str, Path]]:
     return out
 
 
-def evaluate_sites(run: str | Path, datasets: list[tuple[str, Path]], progress: bool = True) -> dict[str, Any]:
+def evaluate_sites(
+    run: str | Path, datasets: list[tuple[str, Path]], progress: bool = True
+) -> dict[str, Any]:
     """Score the bundle on several sites' datasets: one summary row per site and a pooled row.
 
     A site whose name the bundle holds own normalisation state for (``dist.local_norm``) is scored

@@ -42,7 +42,12 @@ def plot_learning_curve(records: list[dict[str, Any]], key_metric: str, path: st
     val = [(r["epoch"], r[key_metric]) for r in records if r.get(key_metric) is not None]
     if val:
         ax2 = ax.twinx()
-        ax2.plot(*zip(*val), "s-", color="tab:orange", label=f"{key_metric} (pooled)" if "sites" in records[-1] else key_metric)
+        ax2.plot(
+            *zip(*val),
+            "s-",
+            color="tab:orange",
+            label=f"{key_metric} (pooled)" if "sites" in records[-1] else key_metric,
+        )
         sites = sorted({s for r in records for s in (r.get("sites") or {})})
         for i, site in enumerate(sites):
             pts = [

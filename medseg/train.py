@@ -157,7 +157,9 @@ def train(
             cfg, session, state, progress, until_epoch or cfg.train.epochs, last_path, best_path, metrics_path
         )
     except MedsegError as exc:
-        session.report({"ev": "error", "message": str(exc)})  # the launcher shows it instead of "rank R failed"
+        session.report(
+            {"ev": "error", "message": str(exc)}
+        )  # the launcher shows it instead of "rank R failed"
         raise
     finally:
         if handler is not None:
