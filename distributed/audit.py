@@ -214,10 +214,11 @@ class _Canary:
             if n < k:
                 continue
             x = np.frombuffer(raw, dtype="<f4", count=n, offset=shift)
-            starts = np.flatnonzero(np.abs(x[: n - k + 1] - self.windowed[0]) < 1e-4)
-            for s in starts:
-                if np.all(np.abs(x[s : s + k] - self.windowed) < 1e-4):
-                    return True
+            with np.errstate(invalid="ignore", over="ignore"):  # arbitrary bytes read as floats: NaN, inf
+                starts = np.flatnonzero(np.abs(x[: n - k + 1] - self.windowed[0]) < 1e-4)
+                for s in starts:
+                    if np.all(np.abs(x[s : s + k] - self.windowed) < 1e-4):
+                        return True
         return False
 
 

@@ -220,7 +220,15 @@ def _train(
     session.phase("load")
     data = make_train_data(cfg, session, split)  # this rank's own cases, cached once
     _fault_delay("load", session.rank)
-    session.report({"ev": "loaded", "cases": len(data.train_items), "cache_mb": round(data.cache_mb, 1)})
+    session.report(
+        {
+            "ev": "loaded",
+            "cases": len(data.train_items),
+            "cache_mb": round(data.cache_mb, 1),
+            "site": session.site,
+            "data": str(data.info.root),  # the one dataset folder this rank opened
+        }
+    )
     scheduler = (
         torch.optim.lr_scheduler.CosineAnnealingLR(base_optimizer, T_max=t.epochs)
         if t.scheduler == "cosine"
