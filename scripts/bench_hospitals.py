@@ -89,7 +89,7 @@ def make_data(work: Path, cases: int, test: int, size: int) -> dict[str, dict[st
     return {s: {"train": data / s, "test": data / f"{s}-test"} for s in SITES}
 
 
-def base_config(work: Path, epochs: int) -> dict:
+def base_config(work: Path, epochs: int, val_interval: int) -> dict:
     return {
         "task": "segmentation",
         "runs_dir": str(work / "runs"),
@@ -163,6 +163,9 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=10, help="training cases per site")
     ap.add_argument("--test", type=int, default=6, help="held-out cases per site")
     ap.add_argument("--size", type=int, default=48)
+    ap.add_argument(
+        "--val-interval", type=int, default=10, help="epochs between validations (checkpoint choice)"
+    )
     ap.add_argument("--quick", action="store_true", help="3 epochs, 4 cases, 2 held out: a smoke run")
     ap.add_argument("--only", nargs="+", help="configurations to run (default all)")
     ap.add_argument("--json", type=Path)
@@ -172,7 +175,7 @@ def main() -> None:
         args.epochs, args.cases, args.test = 3, 4, 2
     work = args.workdir.resolve()
     sites = make_data(work, args.cases, args.test, args.size)
-    base = base_config(work, args.epochs)
+    base = base_config(work, args.epochs, args.val_interval)
     hosts = local_hosts()
     site_cfg = {s: {"dir": str(d["train"]), "host": h} for (s, d), h in zip(sites.items(), hosts)}
     # The sites run on the same (loaded) cores: rounds of one step each, not speeds measured under noise.
@@ -197,7 +200,13 @@ def main() -> None:
         results[name] = r
         print(f"{name}: {json.dumps({k: v for k, v in r.items() if k != 'audit'})}", flush=True)
         results_path.write_text(json.dumps(results, indent=2) + "\n")
-    meta = {"epochs": args.epochs, "cases": args.cases, "test": args.test, "size": args.size}
+    meta = {
+        "epochs": args.epochs,
+        "cases": args.cases,
+        "test": args.test,
+        "size": args.size,
+        "val": args.val_interval,
+    }
     if args.markdown:
         write_markdown(args.markdown, results, meta)
 
@@ -252,7 +261,7 @@ def write_markdown(markdown: Path, results: dict, meta: dict) -> None:
         "-50 HU, noise 35, bias 0.15, 0.9 mm, RAS, 30 % small-structure cases; site c at 1.25x, +40 HU, "
         "noise 25, bias 0.3, 0.7 mm, LAS, 60 % small), "
         f"{meta['cases']} training and {meta['test']} held-out cases per site, {meta['size']}-voxel volumes, "
-        f"tiny UNet (8-16-32, BatchNorm), {meta['epochs']} epochs, one rank per site on this 2-core machine "
+        f"tiny UNet (8-16-32, BatchNorm), {meta['epochs']} epochs (best of a validation every {meta['val']}), one rank per site on this 2-core machine "
         "(`scripts/bench_hospitals.py`). Dice: mean foreground Dice of `medseg evaluate` on each site's "
         "held-out cases in original geometry (local_norm: with that site's own normalisation). "
         "'mean per site' averages the three sites; 'all held-out cases' averages every case. "

@@ -180,7 +180,7 @@ def _two_sites(
 
 
 def _train(
-    tmp_path: Path, cfg: dict, extra_env: dict | None = None, timeout: int = 400
+    tmp_path: Path, cfg: dict, extra_env: dict | None = None, timeout: int = 900
 ) -> subprocess.CompletedProcess:
     pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup` (scripts/build_horovod.sh)")
     config = tmp_path / "sites.yaml"
@@ -253,7 +253,7 @@ def test_sites_train_on_their_own_data_send_no_image_bytes_and_report_per_site(t
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-2000:]
@@ -271,7 +271,7 @@ def test_a_site_whose_dataset_differs_stops_the_job_before_training(tmp_path: Pa
     meta = json.loads(meta_path.read_text())
     meta["labels"] = {"0": "background", "1": "liver", "2": "lesion"}
     meta_path.write_text(json.dumps(meta))
-    proc = _train(tmp_path, cfg, timeout=300)
+    proc = _train(tmp_path, cfg)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     message = proc.stderr.split("error:")[-1]
     assert (
@@ -296,7 +296,7 @@ def test_a_site_whose_rank_dies_is_dropped_and_below_min_sites_the_job_stops(tmp
     job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     run = tmp_path / "runs" / "sites"
     try:
-        deadline = time.time() + 400
+        deadline = time.time() + 900
         while not (run / "checkpoints" / "last.pt").exists():
             assert job.poll() is None and time.time() < deadline, "no checkpoint appeared"
             time.sleep(0.5)
@@ -306,7 +306,7 @@ def test_a_site_whose_rank_dies_is_dropped_and_below_min_sites_the_job_stops(tmp
             if '"started"' in line
         )
         os.kill(pid, signal.SIGKILL)
-        out, err = job.communicate(timeout=300)
+        out, err = job.communicate(timeout=600)
     finally:
         if job.poll() is None:
             job.kill()
