@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from medseg.distributed import audit
+
 log = logging.getLogger(__name__)
 BEAT_ADDR_ENV = "MEDSEG_BEAT_ADDR"
 BEAT_INTERVAL_S = 2.0
@@ -274,9 +276,7 @@ class BeatClient:
         rec = {"rank": self.rank, "host": self.host, "node": self.node, "phase": self.phase, **record}
         rec.setdefault("t", round(time.time(), 3))
         data = (json.dumps(rec) + "\n").encode()
-        from medseg.distributed import audit  # a report leaves the site too: it goes in its audit log
-
-        log_ = audit.current()
+        log_ = audit.current()  # a report leaves the site too: it goes in its audit log
         if log_ is not None:
             log_.sent_report(data)
         with self._lock:
