@@ -15,6 +15,7 @@ volume and intensity (class 1). Mean intensity and object volume do not tell the
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,17 +40,96 @@ def _lps_affine(spacing: tuple[float, float, float], shape: tuple[int, int, int]
     return affine
 
 
+@dataclass(frozen=True)
+class Scanner:
+    """How one hospital's scanner and patients differ from the default synthetic CT.
+
+    Intensities: ``HU' = scale · HU · B(x) + offset + N(0, noise²)``, where B is a smooth
+    multiplicative bias field ``1 + bias · b(x)`` with b a low-frequency field scaled to [-1, 1]
+    (a coil or beam-hardening shading). Geometry: in-plane voxel size ``spacing`` mm, slices
+    ``z_factor`` times thicker, stored in ``orientation`` axis codes (nibabel's, e.g. ``LPS``: the
+    voxel array and affine are reoriented together, so the anatomy in world space is unchanged).
+    Case mix: a fraction ``small`` of cases holds fewer and smaller structures (3 objects of at most
+    size/10 voxels radius instead of 6 of size/6).
+    """
+
+    scale: float = 1.0
+    offset: float = 0.0
+    noise: float = 20.0
+    bias: float = 0.0
+    spacing: float = 0.8
+    z_factor: int = 3
+    orientation: str = "LPS"
+    small: float = 0.0
+
+    def check(self) -> None:
+        from medseg.errors import ConfigError
+
+        if self.scale <= 0 or self.noise < 0 or not 0 <= self.bias < 1 or self.spacing <= 0:
+            raise ConfigError(
+                f"scanner: scale > 0, noise >= 0, 0 <= bias < 1 and spacing > 0 are required, got {self}"
+            )
+        if self.z_factor < 1 or not 0.0 <= self.small <= 1.0:
+            raise ConfigError(f"scanner: z_factor >= 1 and small in [0, 1] are required, got {self}")
+        codes = self.orientation.upper()
+        axes = [{"L": 0, "R": 0, "P": 1, "A": 1, "S": 2, "I": 2}.get(c) for c in codes]
+        if len(codes) != 3 or None in axes or len(set(axes)) != 3:
+            raise ConfigError(
+                f"scanner: orientation {self.orientation!r} is not 3 axis codes like LPS or RAS"
+            )
+
+
+# Three hospitals that differ the way real ones do (the preset of `medseg data synth-sites`).
+SITE_PRESETS: dict[str, dict[str, Scanner]] = {
+    "3-sites": {
+        "a": Scanner(),
+        "b": Scanner(
+            scale=0.75,
+            offset=-50.0,
+            noise=35.0,
+            bias=0.15,
+            spacing=0.9,
+            z_factor=2,
+            orientation="RAS",
+            small=0.3,
+        ),
+        "c": Scanner(
+            scale=1.25,
+            offset=40.0,
+            noise=25.0,
+            bias=0.3,
+            spacing=0.7,
+            z_factor=4,
+            orientation="LAS",
+            small=0.6,
+        ),
+    }
+}
+
+
+def _bias_field(rs: np.random.RandomState, shape: tuple[int, ...]) -> np.ndarray:
+    """A smooth field in [-1, 1]: heavily blurred noise plus a random linear ramp."""
+    field = gaussian_filter(rs.normal(size=shape), sigma=max(shape) / 4)
+    ramp = sum(
+        rs.uniform(-1, 1) * np.linspace(-1, 1, n).reshape([-1 if i == a else 1 for i in range(3)])
+        for a, n in enumerate(shape)
+    )
+    field = field / (np.abs(field).max() + 1e-9) + ramp
+    return field / (np.abs(field).max() + 1e-9)
+
+
 def _seg_case(
-    rs: np.random.RandomState, size: int, z_factor: int, noise: float
+    rs: np.random.RandomState, size: int, z_factor: int, noise: float, scanner: Scanner | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """One CT-like volume and its label map (2 foreground classes, both present)."""
+    small = scanner is not None and scanner.small > 0 and rs.uniform() < scanner.small
     while True:
         _, labels = create_test_image_3d(
             size,
             size,
             size,
-            num_objs=6,
-            rad_max=size // 6,
+            num_objs=3 if small else 6,
+            rad_max=size // 10 if small else size // 6,
             rad_min=size // 14,
             num_seg_classes=2,
             random_state=rs,
@@ -69,6 +149,9 @@ def _seg_case(
     depth = size // z_factor
     image = image[:, :, : depth * z_factor].reshape(size, size, depth, z_factor).mean(axis=3)
     labels = labels[:, :, z_factor // 2 :: z_factor][:, :, :depth]
+    if scanner is not None:
+        field = 1.0 + scanner.bias * _bias_field(rs, image.shape) if scanner.bias else 1.0
+        image = scanner.scale * image * field + scanner.offset
     image += rs.normal(0.0, noise, image.shape)
     return np.clip(np.round(image), -1024, 3071).astype(np.int16), labels.astype(np.uint8)
 
@@ -104,15 +187,25 @@ def make_seg_dataset(
     size: int = 96,
     z_factor: int = 3,
     noise: float = 20.0,
+    scanner: Scanner | None = None,
 ) -> Path:
-    """Write a synthetic CT segmentation dataset in Decathlon layout and return its folder."""
+    """Write a synthetic CT segmentation dataset in Decathlon layout and return its folder.
+
+    ``scanner`` (:class:`Scanner`) changes intensities, noise, bias field, voxel size, orientation
+    and case mix; its ``noise`` and ``z_factor`` then replace the arguments of the same name."""
     out = Path(out_dir)
     rs = np.random.RandomState(seed)
-    spacing = (0.8, 0.8, 0.8 * z_factor)
+    if scanner is not None:
+        scanner.check()
+        z_factor, noise = scanner.z_factor, scanner.noise
+    inplane = scanner.spacing if scanner is not None else 0.8
+    spacing = (inplane, inplane, inplane * z_factor)
     training, test = [], []
     for i in tqdm(range(n_train + n_test), desc="synth-seg", unit="case", leave=False):
-        image, label = _seg_case(rs, size, z_factor, noise)
+        image, label = _seg_case(rs, size, z_factor, noise, scanner)
         affine = _lps_affine(spacing, image.shape)
+        if scanner is not None and scanner.orientation.upper() != "LPS":
+            image, label, affine = _reorient(image, label, affine, scanner.orientation.upper())
         name = f"synth_{i:03d}.nii.gz"
         if i < n_train:
             save_nifti(image, affine, out / "imagesTr" / name)
@@ -122,9 +215,58 @@ def make_seg_dataset(
             save_nifti(image, affine, out / "imagesTs" / name)
             test.append(f"./imagesTs/{name}")
     description = (
-        f"medseg synthetic CT, seed {seed}: 2 blob classes in a body, 0.8x0.8x{spacing[2]:.1f} mm, LPS"
+        f"medseg synthetic CT, seed {seed}: 2 blob classes in a body, "
+        f"{inplane:g}x{inplane:g}x{spacing[2]:.1f} mm, {scanner.orientation if scanner else 'LPS'}"
+        + (f", scanner {asdict(scanner)}" if scanner is not None else "")
     )
     return _finish(out, "SynthCT", "segmentation", description, SEG_LABELS, training, test)
+
+
+def _reorient(
+    image: np.ndarray, label: np.ndarray, affine: np.ndarray, codes: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Store the same volume in ``codes`` axis order: array and affine change together."""
+    import nibabel as nib
+
+    now = nib.orientations.io_orientation(affine)
+    want = nib.orientations.axcodes2ornt(tuple(codes))
+    tr = nib.orientations.ornt_transform(now, want)
+    new_affine = affine @ nib.orientations.inv_ornt_aff(tr, image.shape)
+    image = nib.orientations.apply_orientation(image, tr)
+    label = nib.orientations.apply_orientation(label, tr)
+    return np.ascontiguousarray(image), np.ascontiguousarray(label), new_affine
+
+
+def make_site_datasets(
+    out_dir: str | Path,
+    preset: str = "3-sites",
+    n_train: int = 12,
+    n_test: int = 6,
+    seed: int = 0,
+    size: int = 96,
+) -> dict[str, dict[str, Path]]:
+    """Write each site of a preset: ``<out>/<site>`` (labelled training cases) and ``<out>/<site>-test``
+    (labelled held-out cases, never trained on). Returns {site: {"train": dir, "test": dir}}."""
+    from medseg.errors import ConfigError
+
+    if preset not in SITE_PRESETS:
+        raise ConfigError(f"--preset: {preset!r} is not one of {', '.join(SITE_PRESETS)}")
+    out = Path(out_dir)
+    made: dict[str, dict[str, Path]] = {}
+    for i, (site, scanner) in enumerate(SITE_PRESETS[preset].items()):
+        made[site] = {
+            "train": make_seg_dataset(out / site, n_train, 0, seed * 100 + i, size, scanner=scanner),
+        }
+        if n_test:
+            made[site]["test"] = make_seg_dataset(
+                out / f"{site}-test", n_test, 0, seed * 100 + 50 + i, size, scanner=scanner
+            )
+    return made
+
+
+def scanner_with(base: Scanner | None, **changes: object) -> Scanner:
+    """``base`` (default scanner when None) with the given fields changed (None values ignored)."""
+    return replace(base or Scanner(), **{k: v for k, v in changes.items() if v is not None})
 
 
 def _cls_case(rs: np.random.RandomState, cls: int, size: int, noise: float) -> np.ndarray:

@@ -44,6 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from medseg.distributed import audit
+
 log = logging.getLogger(__name__)
 
 
@@ -91,21 +93,29 @@ class Group:
     def root(self, global_rank: int) -> int:
         return self.ranks.index(global_rank)
 
-    def allreduce_(self, tensor: torch.Tensor, async_op: bool = False) -> Any:
-        """Sum ``tensor`` over the group in place; with ``async_op`` return the work handle."""
+    def allreduce_(self, tensor: torch.Tensor, async_op: bool = False, kind: str = "control") -> Any:
+        """Sum ``tensor`` over the group in place; with ``async_op`` return the work handle.
+
+        ``kind`` says what the tensor is for the audit of what leaves a site (:mod:`.audit`)."""
+        audit.sent(self.ranks, "allreduce", kind, tensor)
         work = self.pg.allreduce([tensor])
         if async_op:
             return work
         work.wait()
         return None
 
-    def broadcast_(self, tensor: torch.Tensor, src: int) -> None:
+    def broadcast_(self, tensor: torch.Tensor, src: int, kind: str = "control") -> None:
         """Copy global rank ``src``'s ``tensor`` to every member, in place."""
+        if self.ranks[self.index] == src:
+            audit.sent(self.ranks, "broadcast", kind, tensor)
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = self.root(src), 0
         self.pg.broadcast([tensor], opts).wait()
 
-    def allgather(self, outs: list[torch.Tensor], tensor: torch.Tensor, async_op: bool = False) -> Any:
+    def allgather(
+        self, outs: list[torch.Tensor], tensor: torch.Tensor, async_op: bool = False, kind: str = "control"
+    ) -> Any:
+        audit.sent(self.ranks, "allgather", kind, tensor)
         work = self.pg.allgather([outs], [tensor])
         if async_op:
             return work
@@ -113,15 +123,21 @@ class Group:
         return None
 
     def alltoall(
-        self, recv: torch.Tensor, send: torch.Tensor, recv_splits: list[int], send_splits: list[int]
+        self,
+        recv: torch.Tensor,
+        send: torch.Tensor,
+        recv_splits: list[int],
+        send_splits: list[int],
+        kind: str = "gradients",
     ) -> None:
+        audit.sent(self.ranks, "alltoall", kind, send)
         self.pg.alltoall_base(recv, send, recv_splits, send_splits, dist.AllToAllOptions()).wait()
 
     def barrier(self) -> None:
         # Gloo's barrier is an allreduce of nothing; an allreduce of one value is just as good.
         self.allreduce_(torch.zeros(1))
 
-    def gather_objects(self, obj: Any) -> list[Any]:
+    def gather_objects(self, obj: Any, kind: str = "control") -> list[Any]:
         """Every member's ``obj`` on every member, in rank order (pickled; our own ranks only)."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
@@ -130,8 +146,34 @@ class Group:
         padded = torch.zeros(top, dtype=torch.uint8)
         padded[: data.numel()] = data
         outs = [torch.empty(top, dtype=torch.uint8) for _ in range(self.size)]
-        self.allgather(outs, padded)
+        self.allgather(outs, padded, kind=kind)
         return [pickle.loads(o[: int(s)].numpy().tobytes()) for o, s in zip(outs, sizes)]
+
+
+def gather_to_root(
+    group: Group, obj: Any, root: int = 0, kind: str = "optimizer-state"
+) -> tuple[list[Any] | None, list[int]]:
+    """``obj`` of every member, on global rank ``root`` only (None elsewhere), and each one's pickled size.
+
+    Unlike :meth:`Group.gather_objects` nothing travels to the other members: for checkpoint state
+    that only rank 0 writes, the WAN carries each remote rank's state once.
+    """
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes_t = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
+    group.allgather(sizes_t, torch.tensor([data.numel()], dtype=torch.int64))
+    sizes = [int(s) for s in sizes_t]
+    top = max(sizes)
+    padded = torch.zeros(top, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    opts = dist.GatherOptions()
+    opts.rootRank = group.root(root)
+    if group.ranks[group.index] == root:
+        outs = [torch.empty(top, dtype=torch.uint8) for _ in range(group.size)]
+        group.pg.gather([outs], [padded], opts).wait()
+        return [pickle.loads(o[:n].numpy().tobytes()) for o, n in zip(outs, sizes)], sizes
+    audit.sent([root], "gather", kind, padded)
+    group.pg.gather([], [padded], opts).wait()
+    return None, sizes
 
 
 class Channel:
@@ -187,11 +229,11 @@ class Channel:
     def barrier(self) -> None:
         self.world.barrier()
 
-    def gather_objects(self, obj: Any) -> list[Any]:
+    def gather_objects(self, obj: Any, kind: str = "control") -> list[Any]:
         """Every rank's ``obj`` on every rank, in rank order."""
-        return self.world.gather_objects(obj)
+        return self.world.gather_objects(obj, kind=kind)
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+    def broadcast_object(self, obj: Any, src: int = 0, kind: str = "control") -> Any:
         """``obj`` of rank ``src`` on every rank (its size first, then its pickled bytes)."""
         data = pickle.dumps(obj) if self.rank == src else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
@@ -201,11 +243,11 @@ class Channel:
             if data
             else torch.empty(int(size), dtype=torch.uint8)
         )
-        self.world.broadcast_(buf, src)
+        self.world.broadcast_(buf, src, kind=kind)
         return obj if self.rank == src else pickle.loads(buf.numpy().tobytes())
 
-    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self.world.broadcast_(tensor, src)
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0, kind: str = "parameters") -> None:
+        self.world.broadcast_(tensor, src, kind=kind)
 
     def group_broadcast(self, tensor: torch.Tensor) -> None:
         """Copy the group leader's ``tensor`` to every member of this rank's group (in place)."""
@@ -238,7 +280,7 @@ class TorchTransport:
 
     def allreduce_mean(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         out = flat.clone()
-        self.group.allreduce_(out)
+        self.group.allreduce_(out, kind="gradients")
         return out / self.group.size
 
     def alltoall(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], name: str):
@@ -252,7 +294,7 @@ class TorchTransport:
         padded = torch.zeros(top, dtype=mine.dtype)
         padded[: mine.numel()] = mine
         outs = [torch.empty(top, dtype=mine.dtype) for _ in sizes]
-        self.group.allgather(outs, padded)
+        self.group.allgather(outs, padded, kind="gradients")
         return torch.cat([o[:s] for o, s in zip(outs, sizes)])
 
 

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from medseg.distributed import audit
+
 log = logging.getLogger(__name__)
 BEAT_ADDR_ENV = "MEDSEG_BEAT_ADDR"
 BEAT_INTERVAL_S = 2.0
@@ -53,6 +55,7 @@ class RankState:
     last_seen: float = 0.0
     phase_since: float = 0.0
     last_step: float = 0.0  # time of the last completed step (0: none yet)
+    error: str = ""  # a MedsegError the rank reported before it stopped (its message is for the user)
 
 
 @dataclass
@@ -122,6 +125,8 @@ class BeatServer:
                 st.phase, st.phase_since = phase, now
             if "step" in rec:
                 st.last_step = now
+            if rec.get("ev") == "error":
+                st.error = str(rec.get("message", ""))
             if rec.get("ev") != "alive":
                 f = self._files.get(rank)
                 if f is None:
@@ -157,12 +162,21 @@ class Watchdog:
     np_: int
     timeout_s: float
     started: float = field(default_factory=time.time)
+    culprit: int | None = None  # the rank the last verdict named
 
     @property
     def long_phase_s(self) -> float:
         return max(1800.0, 10 * self.timeout_s)
 
     def verdict(self, states: dict[int, RankState], now: float | None = None) -> str | None:
+        """What is wrong (None: nothing); the rank it names is left in :attr:`culprit`."""
+        found = self._verdict(states, now)
+        if found is not None:
+            self.culprit = found[0]
+            return found[1]
+        return None
+
+    def _verdict(self, states: dict[int, RankState], now: float | None) -> tuple[int, str] | None:
         now = time.time() if now is None else now
         grace = max(self.timeout_s, START_GRACE_S)
         for r in range(self.np_):
@@ -171,19 +185,19 @@ class Watchdog:
                 continue  # finished its part (e.g. while rank 0 still validates and exports)
             if st is None:
                 if now - self.started > grace:
-                    return f"{describe(r, None)} never reported (for {now - self.started:.0f} s)"
+                    return r, f"{describe(r, None)} never reported (for {now - self.started:.0f} s)"
                 continue
             # Horovod's init holds the GIL while it waits for every rank's rendezvous, so the beat
             # thread is silent then: a rank still starting gets the start-up grace, not the timeout.
             limit = grace if st.phase == "start" else self.timeout_s
             if now - st.last_seen > limit:
-                return (
+                return r, (
                     f"{describe(r, st)} stopped responding (nothing heard for {now - st.last_seen:.0f} s, "
                     f"last in phase {st.phase!r})"
                 )
         for r, st in states.items():
             if st.phase not in ("train", "wait", "start") and now - st.phase_since > self.long_phase_s:
-                return (
+                return r, (
                     f"{describe(r, st)} has been in phase {st.phase!r} for {now - st.phase_since:.0f} s "
                     f"(limit {self.long_phase_s:.0f} s)"
                 )
@@ -192,7 +206,7 @@ class Watchdog:
             progress = {r: max(s.last_step, s.phase_since) for r, s in states.items()}
             if now - max(progress.values()) > self.timeout_s:
                 culprit = min(progress, key=lambda r: progress[r])
-                return (
+                return culprit, (
                     f"{describe(culprit, states[culprit])} stopped making progress (no rank completed a step for "
                     f"{now - max(progress.values()):.0f} s; it is the one the others wait for)"
                 )
@@ -262,6 +276,9 @@ class BeatClient:
         rec = {"rank": self.rank, "host": self.host, "node": self.node, "phase": self.phase, **record}
         rec.setdefault("t", round(time.time(), 3))
         data = (json.dumps(rec) + "\n").encode()
+        log_ = audit.current()  # a report leaves the site too: it goes in its audit log
+        if log_ is not None:
+            log_.sent_report(data)
         with self._lock:
             for _ in range(2):
                 if self._sock is None:

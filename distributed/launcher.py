@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from medseg.config import Config
@@ -79,6 +80,34 @@ def worker_command(config: Path, overrides: list[str], resume: bool, straggler: 
     return cmd + list(overrides)
 
 
+@dataclass
+class _Attempt:
+    """How one horovodrun of the job ended."""
+
+    ok: bool
+    message: str = ""  # what went wrong, naming the rank and its host
+    rank: int | None = None  # the rank at fault (watchdog's culprit or the first that failed)
+    code: int | None = None  # that rank's exit status (None when the watchdog stopped the job)
+    reported: str = ""  # a MedsegError a rank reported (bad data or config: not a site failure)
+
+
+def _assign(entries: list[tuple[str, str, int]], np_: int) -> list[int]:
+    """Index into ``entries`` of every rank: horovodrun fills the hosts in ``-H`` order, slot by slot."""
+    out: list[int] = []
+    for i, (_, _, slots) in enumerate(entries):
+        out += [i] * min(slots, np_ - len(out))
+    return out
+
+
+def _reachable(host: str, port: int = 22, timeout: float = 3.0) -> bool:
+    """Whether a dropped site answers on its ssh port again (it may rejoin at a restart)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def launch(
     cfg: Config,
     config_path: Path,
@@ -87,10 +116,22 @@ def launch(
     hosts: str | None,
     resume: bool,
     straggler: str | None,
+    max_restarts: int = 0,
+    min_sites: int = 1,
 ) -> None:
-    """Run the job on ``np_`` ranks; raise RunError naming the rank when one fails or hangs."""
+    """Run the job on ``np_`` ranks; raise RunError naming the rank when one fails or hangs.
+
+    With ``max_restarts`` > 0, a site (a ``--hosts`` entry) whose rank died or went silent is left
+    out and the job restarts from the last checkpoint with the sites still there (from scratch when
+    there is none yet), at most ``max_restarts`` times; it stops with RunError (exit 2) when fewer
+    than ``min_sites`` sites would remain. A site dropped earlier that answers on its ssh port again
+    rejoins at the next restart. A rank that stops on a medseg error (bad data, bad config) is not a
+    dropout: the job stops with that error.
+    """
     if np_ < 1:
         raise ConfigError("--np: needs at least 1 rank")
+    if max_restarts < 0 or min_sites < 1:
+        raise ConfigError("--max-restarts must be >= 0 and --min-sites >= 1")
     if cfg.dist.sync == "none":
         raise ConfigError(
             "dist.sync: 'none' trains in one process; pick bsp, gssp, ssp or local-sgd for --np"
@@ -100,16 +141,84 @@ def launch(
         raise RunError(
             f"{cfg.run_dir}: already holds a run; pass --resume to continue it, or name=<new name> to start another"
         )
+    if cfg.sites and not hosts:
+        raise ConfigError(
+            f"sites: name the sites and their ranks in --hosts, e.g. --hosts {','.join(f'{s}:1' for s in cfg.sites)}"
+        )
+    if not resume:
+        shutil.rmtree(cfg.run_dir / "audit", ignore_errors=True)  # each site's log of what it sent
+    if hosts:
+        from medseg.sitedata import horovodrun_hosts
+
+        parse_hosts(hosts, np_)
+        translated, labels = horovodrun_hosts(cfg, hosts)
+        entries = [
+            (label, item.rpartition(":")[0], int(item.rpartition(":")[2]))
+            for label, item in zip(labels, translated.split(","))
+        ]
+    else:
+        entries = [("localhost", "localhost", np_)]
+    active = [e for i, e in enumerate(entries) if i in set(_assign(entries, np_))]
+    dropped: list[tuple[str, str, int]] = []
+    restarts = 0
+    while True:
+        n = len(_assign(active, np_))
+        hosts_arg = ",".join(f"{h}:{k}" for _, h, k in active)
+        outcome = _attempt(cfg, config_path, overrides, n, hosts_arg, hosts is None, resume, straggler)
+        if outcome.ok:
+            return
+        if outcome.reported or outcome.rank is None or restarts >= max_restarts or outcome.code == 2:
+            hint = f"continue with `medseg train --config {config_path} --np {n} --resume`"
+            if outcome.reported:
+                raise RunError(outcome.reported)
+            note = f"{_checkpoint_note(last)}; {hint}"
+            if max_restarts:
+                note = f"{restarts} of --max-restarts {max_restarts} used. " + note
+            raise RunError(f"{outcome.message}. {note}")
+        lost = active[_assign(active, np_)[outcome.rank]]
+        back = [e for e in dropped if _reachable(e[1])]
+        dropped = [e for e in dropped if e not in back] + [lost]
+        active = [e for e in entries if e not in dropped]
+        restarts += 1
+        if len(active) < min_sites:
+            raise RunError(
+                f"{outcome.message}. Site {lost[0]} is lost and only {len(active)} site(s) remain "
+                f"({', '.join(e[0] for e in active) or 'none'}), fewer than --min-sites {min_sites}. "
+                f"{_checkpoint_note(last)}"
+            )
+        resume = last.exists()
+        where = f"from {_checkpoint_note(last).replace(' is intact', '')}" if resume else "from scratch"
+        log.warning(
+            "site %s dropped out (%s); restart %d of %d %s with sites %s%s",
+            lost[0],
+            outcome.message,
+            restarts,
+            max_restarts,
+            where,
+            ", ".join(e[0] for e in active),
+            f" (back: {', '.join(e[0] for e in back)})" if back else "",
+        )
+
+
+def _attempt(
+    cfg: Config,
+    config_path: Path,
+    overrides: list[str],
+    np_: int,
+    hosts_arg: str,
+    single_host: bool,
+    resume: bool,
+    straggler: str | None,
+) -> _Attempt:
+    """One horovodrun of the job, watched to its end."""
     ranks_dir = cfg.run_dir / "ranks"
     shutil.rmtree(ranks_dir, ignore_errors=True)
     ranks_dir.mkdir(parents=True)
     timeout = cfg.dist.timeout_s
-    hosts_arg = parse_hosts(hosts, np_)
     cmd = [horovodrun_path(), "-np", str(np_), "-H", hosts_arg, "--gloo", "--start-timeout", "60"]
     cmd += shlex.split(os.environ.get("MEDSEG_HOROVODRUN_ARGS", ""))
     cmd += worker_command(config_path, overrides, resume, straggler)
     beats = BeatServer(ranks_dir)
-    single_host = hosts is None
     beat_host = os.environ.get("MEDSEG_BEAT_HOST") or ("127.0.0.1" if single_host else socket.getfqdn())
     env = dict(os.environ, **{WORKER_ENV: "1", "PYTHONUNBUFFERED": "1"})
     env[BEAT_ADDR_ENV] = f"{beat_host}:{beats.port}"
@@ -157,20 +266,29 @@ def launch(
         states = beats.snapshot()
         beats.close()
     reader.join(timeout=5)
-    resume_hint = f"continue with `medseg train --config {config_path} --np {np_} --resume`"
+    reported = next((st.error for _, st in sorted(states.items()) if st.error), "")
     if hung is not None:
-        raise RunError(
-            f"{hung} (dist.timeout_s={timeout:g}); all ranks were stopped. {_checkpoint_note(last)}; {resume_hint}"
+        return _Attempt(
+            False,
+            f"{hung} (dist.timeout_s={timeout:g}); all ranks were stopped",
+            rank=watchdog.culprit,
+            reported=reported,
         )
-    if proc.returncode != 0:
-        if first_failure:
-            rank, code = first_failure[0], first_failure[1] if len(first_failure) > 1 else None
-            what = f"{describe(rank, states.get(rank))} exited with status {code}" + (
-                " (killed)" if code in (-9, 137, -15, 143) else ""
-            )
-        else:
-            what = f"horovodrun exited with status {proc.returncode}"
-        raise RunError(f"{what}; the other ranks were stopped. {_checkpoint_note(last)}; {resume_hint}")
+    if proc.returncode == 0:
+        return _Attempt(True)
+    if first_failure:
+        rank, code = first_failure[0], first_failure[1] if len(first_failure) > 1 else None
+        what = f"{describe(rank, states.get(rank))} exited with status {code}" + (
+            " (killed)" if code in (-9, 137, -15, 143) else ""
+        )
+        return _Attempt(
+            False, f"{what}; the other ranks were stopped", rank=rank, code=code, reported=reported
+        )
+    return _Attempt(
+        False,
+        f"horovodrun exited with status {proc.returncode}; the other ranks were stopped",
+        reported=reported,
+    )
 
 
 def _die_with_parent() -> None:

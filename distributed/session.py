@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from medseg.config import Config
+from medseg.distributed import audit
 from medseg.distributed.groups import (
     choose_groups,
     epoch_rounds,
@@ -47,6 +48,8 @@ class LocalSession:
     """One process: the optimizer is used as it is and every sample is this rank's."""
 
     rank, size, is_chief = 0, 1, True
+    site: str | None = None
+    validates = True  # this process validates (its own site's held-out cases)
 
     def prepare(self, profile_step: Callable[[], int], model: torch.nn.Module | None = None) -> None:
         """Nothing to measure in one process."""
@@ -63,6 +66,21 @@ class LocalSession:
     def share_state(self, state: Any) -> Any:
         """The chief's resume state on every rank (one process: as it is)."""
         return state
+
+    def data_dir(self, cfg: Config) -> str:
+        """The dataset this rank reads: its own site's with ``sites:``, else ``data.dir``."""
+        return cfg.data.dir
+
+    def check_sites(self, facts: dict[str, Any]) -> None:
+        """One process holds one dataset: nothing to compare."""
+
+    def gather_site_metrics(self, metrics: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+        """Each site's validation numbers on rank 0 (None: not a site-local job)."""
+        return None
+
+    def gather_site_local(self, optimizer: Any) -> dict[str, Any] | None:
+        """Each site's own normalisation tensors on rank 0 (None: no ``dist.local_norm`` sites)."""
+        return None
 
     def save_sync_state(self, optimizer: Any, run_dir: Path, epoch: int) -> dict[str, int] | None:
         """No synchronisation state in one process."""
@@ -105,6 +123,8 @@ class HorovodSession(LocalSession):
         rank = int(os.environ.get("HOROVOD_RANK", "0"))
         self.beats = BeatClient(rank)  # first, so the launcher hears from this rank at once
         self.beats.send({"ev": "started", "pid": os.getpid()})
+        if cfg.sites:  # from here on, every message to another site (or the launcher) is logged
+            audit.start(rank)
         self.hvd, self.cfg, self.dist = hvd, cfg, cfg.dist
         # Horovod's stall inspector may warn; it must not shut the job down: the watchdog decides.
         os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(int(cfg.dist.timeout_s) // 2, 1)))
@@ -115,6 +135,17 @@ class HorovodSession(LocalSession):
         self.channel = Channel(hvd, cfg.dist.timeout_s)
         self.hosts: list[str] = self.channel.gather_objects(
             os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        )
+        self.rank_sites = self._sites(cfg)
+        self.site = self.rank_sites[self.rank] if cfg.sites else None
+        self.site_cases: dict[str, int] = {}
+        if cfg.sites:
+            log_ = audit.current()
+            assert log_ is not None
+            log_.open(cfg.run_dir / "audit" / f"{self.site}-rank{self.rank}.jsonl", self.rank_sites)
+        # With site-local data each site's leader validates on its own held-out cases.
+        self.validates = self.is_chief or (
+            bool(cfg.sites) and self.rank == self.rank_sites.index(self.rank_sites[self.rank])
         )
         self.straggler = Straggler.for_rank(straggler, self.rank)
         self.groups: list[list[int]] = [list(range(self.size))]
@@ -133,6 +164,54 @@ class HorovodSession(LocalSession):
         self._step_tic = 0.0
         self._step_compute = 0.0
 
+    # -- sites ----------------------------------------------------------------------------------
+    def _sites(self, cfg: Config) -> list[str]:
+        """Every rank's site: the config's site whose name or host the rank was started on."""
+        from medseg.sitedata import site_of
+
+        if not cfg.sites:
+            return list(self.hosts)
+        found = [site_of(cfg, h) for h in self.hosts]
+        if None in found:
+            host = self.hosts[found.index(None)]
+            raise ConfigError(
+                f"--hosts: rank {found.index(None)} runs on {host!r}, which is none of the config's sites "
+                f"({', '.join(f'{n} (host {sc.host or n})' for n, sc in cfg.sites.items())})"
+            )
+        return [str(s) for s in found]
+
+    def data_dir(self, cfg: Config) -> str:
+        return cfg.sites[self.site].dir if self.site is not None else cfg.data.dir
+
+    def check_sites(self, facts: dict[str, Any]) -> None:
+        """Compare the sites' dataset header facts over the channel; a mismatch stops every rank."""
+        from medseg.sitedata import compare_facts
+
+        if self.site is None:
+            return
+        everyone = self.channel.gather_objects(facts, kind="dataset-header")
+        by_site: dict[str, dict[str, Any]] = {}
+        for r, f in enumerate(everyone):
+            by_site.setdefault(self.rank_sites[r], f)
+        compare_facts(by_site)
+        self.site_cases = {s: int(f["train_cases"]) for s, f in by_site.items()}
+        if self.is_chief:
+            log.info(
+                "sites %s: training cases %s, held-out cases %s; datasets agree on %s",
+                list(by_site),
+                self.site_cases,
+                {s: f["val_cases"] for s, f in by_site.items()},
+                {k: facts[k] for k in ("task", "labels", "channels")},
+            )
+
+    def gather_site_metrics(self, metrics: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+        """Every site leader's validation numbers (scalars only), on rank 0; every rank calls this."""
+        if self.site is None:
+            return None
+        mine = (self.site, metrics) if self.validates else None
+        everyone = self.channel.gather_objects(mine, kind="metrics")
+        return {s: m for s, m in filter(None, everyone)} if self.is_chief else None
+
     # -- groups ---------------------------------------------------------------------------------
     def prepare(self, profile_step: Callable[[], int], model: torch.nn.Module | None = None) -> None:
         """Measure every rank's samples/s, form groups and their round lengths, build the channel's groups.
@@ -149,7 +228,7 @@ class HorovodSession(LocalSession):
                 # itself; the median of several steps resists one-off stalls.
                 self.channel.barrier()
                 mine = self._time_steps(profile_step, d.profile_steps)
-                self.speeds = [float(v) for v in self.channel.gather_objects(mine)]
+                self.speeds = [float(v) for v in self.channel.gather_objects(mine, kind="metrics")]
             if d.sync == "ssp":
                 groups = [[r] for r in range(self.size)]
             elif d.groups:
@@ -269,6 +348,15 @@ class HorovodSession(LocalSession):
         rounds of the base periods give): the epoch's end waits for every round in flight, and
         with fewer rounds per epoch the groups drift apart for longer between exchanges.
         """
+        if self.site is not None:
+            from medseg.sitedata import site_share
+
+            period_of = {r: p for g, p in zip(self.groups, self.periods) for r in g}
+            periods = [
+                period_of.get(r, 1) if self.dist.sync in ("gssp", "ssp") else 1 for r in range(self.size)
+            ]
+            return site_share(self.rank_sites, self.site_cases, periods, batch_size, self.rank, seed)
+
         m = self.wan_factor
         need = min(MIN_EPOCH_ROUNDS, epoch_rounds(n_items, self.groups, self.base_periods, batch_size))
         while (
@@ -292,7 +380,7 @@ class HorovodSession(LocalSession):
         return static_share(n_items, self.groups, self.periods, batch_size, self.rank, seed)
 
     def share_state(self, state: Any) -> Any:
-        return self.channel.broadcast_object(state if self.is_chief else None)
+        return self.channel.broadcast_object(state if self.is_chief else None, kind="parameters")
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
         from medseg.distributed.sync import BulkSynchronous, GroupStale, LocalSGD, assign, flat
@@ -312,7 +400,7 @@ class HorovodSession(LocalSession):
         if d.sync == "bsp":
             self.optimizer = BulkSynchronous(optimizer, model, d.compression, d.bits, self.hosts)
         elif d.sync == "local-sgd":
-            self.optimizer = LocalSGD(optimizer, model, self.channel, d.period)
+            self.optimizer = LocalSGD(optimizer, model, self.channel, d.period, local_norm=d.local_norm)
         else:
             self.optimizer = GroupStale(
                 optimizer,
@@ -324,14 +412,39 @@ class HorovodSession(LocalSession):
                 d.compression,
                 d.bits,
                 on_event=self.beats.send,
+                local_norm=d.local_norm,
             )
         return self.optimizer
+
+    def _shard(self) -> str:
+        """This rank's name for its synchronisation state: ``r<rank>``, or with sites ``<site>-<i>``
+        (its index among its site's ranks), so that a restart with fewer sites finds it by name."""
+        if self.site is None:
+            return f"r{self.rank}"
+        mine = [r for r, s in enumerate(self.rank_sites) if s == self.site]
+        return f"{self.site}-{mine.index(self.rank)}"
+
+    def gather_site_local(self, optimizer: Any) -> dict[str, Any] | None:
+        """With ``dist.local_norm`` and sites: each site leader's normalisation tensors, on rank 0.
+
+        Only these (a few kB per site) travel, for the bundle's per-site evaluation; every rank calls
+        this. None elsewhere and on other ranks.
+        """
+        from medseg.distributed.channel import gather_to_root
+
+        if not (self.dist.local_norm and self.site is not None):
+            return None
+        local = optimizer.sync_state().get("local") if self.channel.is_leader else None
+        states, _ = gather_to_root(self.channel.world, (self.site, local), root=0, kind="optimizer-state")
+        if states is None:
+            return None
+        return {site: loc for site, loc in states if loc}
 
     def save_sync_state(self, optimizer: Any, run_dir: Path, epoch: int) -> dict[str, int] | None:
         """Write this rank's synchronisation state (residuals, moments) beside it, on its own host.
 
-        Each rank saves ``optimizer.sync_state()`` to ``run_dir/checkpoints/sync/r<rank>-e<epoch>.pt``
-        (atomically) and keeps the previous epoch's too, in case the chief's checkpoint of this
+        Each rank saves ``optimizer.sync_state()`` to ``run_dir/checkpoints/sync/<shard>-e<epoch>.pt``
+        (:meth:`_shard`; atomically) and keeps the previous epoch's too, in case the chief's checkpoint of this
         epoch is never written. Nothing crosses the network: sending every rank's residuals to
         rank 0 each epoch cost about a fifth of bsp-fixed4's WAN bytes. Returns the marker the
         chief puts in its checkpoint, ``{"epoch": e, "ranks": n}``.
@@ -341,9 +454,9 @@ class HorovodSession(LocalSession):
         folder = run_dir / "checkpoints" / "sync"
         save_checkpoint(
             {"epoch": epoch, "rank": self.rank, "state": optimizer.sync_state()},
-            folder / f"r{self.rank}-e{epoch}.pt",
+            folder / f"{self._shard()}-e{epoch}.pt",
         )
-        for old in folder.glob(f"r{self.rank}-e*.pt"):
+        for old in folder.glob(f"{self._shard()}-e*.pt"):
             if int(old.stem.rsplit("-e", 1)[1]) < epoch - 1:
                 old.unlink(missing_ok=True)
         return {"epoch": epoch, "ranks": self.size}
@@ -354,8 +467,9 @@ class HorovodSession(LocalSession):
 
         if not marker:
             return
-        path = run_dir / "checkpoints" / "sync" / f"r{self.rank}-e{marker['epoch']}.pt"
-        if marker.get("ranks") != self.size or not path.is_file():
+        path = run_dir / "checkpoints" / "sync" / f"{self._shard()}-e{marker['epoch']}.pt"
+        # with sites, a restart with fewer sites finds each remaining site's state by its name
+        if (self.site is None and marker.get("ranks") != self.size) or not path.is_file():
             log.warning(
                 "rank %d: no synchronisation state of epoch %d for %d ranks at %s (checkpoint made by %s ranks): "
                 "residuals and moments restart",
@@ -427,7 +541,7 @@ class HorovodSession(LocalSession):
             "compute_s": self.compute_s,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
-        everyone = self.channel.gather_objects(mine)
+        everyone = self.channel.gather_objects(mine, kind="metrics")
         stats.reset()
         self.setup_wan_bytes = 0  # set-up transfers are counted once, with the first epoch
         slowest = max(r["wall_s"] for r in everyone)
@@ -457,6 +571,7 @@ class HorovodSession(LocalSession):
         self.beats.close()
         self.channel.close()
         self.hvd.shutdown()
+        audit.stop()
 
 
 def open_session(cfg: Config, straggler: str | None = None) -> LocalSession:
@@ -465,6 +580,11 @@ def open_session(cfg: Config, straggler: str | None = None) -> LocalSession:
 
     if cfg.dist.sync != "none" and is_worker():
         return HorovodSession(cfg, straggler)
+    if cfg.sites:
+        raise ConfigError(
+            f"sites: a site-local job runs on several ranks, e.g. medseg train --config C --np N "
+            f"--hosts {','.join(f'{s}:1' for s in cfg.sites)} (with dist.sync bsp, gssp, ssp or local-sgd)"
+        )
     if straggler:
         raise ConfigError("--straggler: only meaningful with --np N (several ranks)")
     return LocalSession()

@@ -55,6 +55,13 @@ runs (Horovod, a site's ``torch.distributed`` group, or the leaders' group) is t
 ``ssp``        gssp with one rank per group.
 ``local-sgd``  every rank steps alone; every ``period`` steps all ranks average w and the buffers.
 
+``local_norm`` (FedBN, Li et al., ICLR 2021), for gssp, ssp and local-sgd: the parameters and running
+statistics of normalisation layers (:func:`norm_state`) are taken out of w and of the buffers, so no
+round, model average or epoch-end buffer average sends them to another site. Inside a site they
+stay identical (their gradients are averaged in-site every step like the others', and their running
+statistics are averaged in-site at each epoch end), so each site keeps one model whose shared part
+is everyone's and whose normalisation is its own.
+
 With one group and s = 0, gssp reduces to synchronous data parallelism: nothing is received from
 other groups (S − Δ_g = 0) and the parameters equal bsp's (tests/mp/gssp_equals_bsp.py). With
 several groups its result is what a single process replaying the logged schedule computes
@@ -73,6 +80,7 @@ from typing import Any
 
 import torch
 
+from medseg.distributed import audit
 from medseg.distributed.channel import Channel, HorovodTransport, TorchTransport
 from medseg.distributed.collectives import CompressedAllreduce
 from medseg.distributed.compression import ErrorFeedback, decode, encoded_nbytes
@@ -98,6 +106,33 @@ def assign(tensors: list[torch.Tensor], vector: torch.Tensor) -> None:
 def float_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     """Buffers that training changes and an average makes sense of (BatchNorm running statistics)."""
     return [b for b in model.buffers() if b.is_floating_point()]
+
+
+NORM_TYPES = (
+    torch.nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm* (running stats when tracked)
+    torch.nn.GroupNorm,
+    torch.nn.LayerNorm,
+)
+
+
+def norm_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and float buffers of the model's normalisation layers, by state_dict name (FedBN's
+    local part)."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, NORM_TYPES):
+            for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                if t is not None and t.is_floating_point():
+                    out[f"{prefix}.{name}" if prefix else name] = t
+    return out
+
+
+def site_average(channel: Channel, tensors: list[torch.Tensor]) -> None:
+    """Average ``tensors`` over this rank's group (its site) only, in place."""
+    if tensors and len(channel.group) > 1:
+        vector = flat(tensors)
+        channel.group_mean_(vector)
+        assign(tensors, vector)
 
 
 def dc_compensate(
@@ -135,11 +170,17 @@ class StepStats:
 class SyncedOptimizer:
     """Base wrapper: delegates state to ``self.optimizer`` (a torch Optimizer) and adds ``stats``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, local_norm: bool = False
+    ) -> None:
         self.optimizer = optimizer
         self.base = optimizer
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.buffers = float_buffers(model)
+        # local_norm: normalisation tensors stay in the site (never in params/buffers that cross)
+        self.local = norm_state(model) if local_norm else {}
+        kept = {id(t) for t in self.local.values()}
+        self.params = [p for p in model.parameters() if p.requires_grad and id(p) not in kept]
+        self.buffers = [b for b in float_buffers(model) if id(b) not in kept]
+        self.local_buffers = [b for b in float_buffers(model) if id(b) in kept]
         self.numel = sum(p.numel() for p in self.params)
         self.stats = StepStats()
         self.events: list[tuple] = []
@@ -238,11 +279,19 @@ class BulkSynchronous(SyncedOptimizer):
         self.stats.bytes_sent += int(sent)
         self.stats.wan_bytes += int(wan)
         self.stats.steps += 1
+        self._audit("gradients", sent)
+
+    def _audit(self, kind: str, nbytes: float) -> None:
+        """Horovod's buffers are not seen by the channel's hook: log them by their ring bytes."""
+        log_ = audit.current()
+        if log_ is not None and self.size > 1:
+            log_.sent_modelled(range(self.size), "horovod-allreduce", kind, int(nbytes), "float32")
 
     def end_epoch(self) -> None:
         if self.buffers and self.size > 1:
             vector = self.hvd.allreduce(flat(self.buffers), op=self.hvd.Average, name="medseg.buffers")
             assign(self.buffers, vector)
+            self._audit("parameters", ring_allreduce_bytes(vector.numel(), 4, self.size))
 
     def sync_state(self) -> dict[str, Any]:
         return {"fixed": self.fixed.state_dict()} if self.fixed is not None else {}
@@ -304,7 +353,7 @@ def average_model(channel: Channel, tensors: list[torch.Tensor], stats: StepStat
     channel.group_mean_(vector)
     if len(channel.groups) > 1 and channel.leaders_pg is not None:
         vector *= len(channel.group)
-        channel.leaders_pg.allreduce_(vector)
+        channel.leaders_pg.allreduce_(vector, kind="parameters")
         vector /= channel.size
         sent = int(ring_allreduce_bytes(vector.numel(), 4, len(channel.groups)))
         stats.bytes_sent += sent
@@ -338,8 +387,9 @@ class GroupStale(SyncedOptimizer):
         bits: int,
         on_event: Callable[[dict[str, Any]], None] | None = None,
         exchange: bool | None = None,
+        local_norm: bool = False,
     ) -> None:
-        super().__init__(optimizer, model)
+        super().__init__(optimizer, model, local_norm)
         self.channel = channel
         # In-site links are fast: the per-step average stays exact; compression is for the WAN rounds.
         self.average = GroupAverage(model, channel, "none", bits)
@@ -389,14 +439,14 @@ class GroupStale(SyncedOptimizer):
         if self.coded is None:
             if self.leader:
                 buf = own.clone()
-                work = self.channel.leaders_pg.allreduce_(buf, async_op=True)
+                work = self.channel.leaders_pg.allreduce_(buf, async_op=True, kind="model-change")
                 self._count_leaders(ring_allreduce_bytes(self.numel, 4, self.n_groups))
         else:
             codes, own = self.coded.compress_chunks("delta", own, self.layer_sizes)
             if self.leader:
                 mine = torch.cat(codes)
                 buf = [torch.empty_like(mine) for _ in range(self.n_groups)]
-                work = self.channel.leaders_pg.allgather(buf, mine, async_op=True)
+                work = self.channel.leaders_pg.allgather(buf, mine, async_op=True, kind="model-change")
                 self._count_leaders((self.n_groups - 1) * self.block)  # ring allgather
         self.pending.append(_Round(k, work, buf, own, w.clone() if self.dc_lambda else None))
         self.events.append(("submit", k, self.stats.steps))
@@ -471,16 +521,19 @@ class GroupStale(SyncedOptimizer):
         self.local_steps = 0  # an epoch holds whole rounds; the period may change for the next one
         if self.single_group:
             if self.group_size > 1:
-                average_model(self.channel, self.buffers, self.stats)
+                average_model(self.channel, self.buffers + self.local_buffers, self.stats)
             return
         self._apply_due(final=True)
         average_model(self.channel, self.params + self.buffers, self.stats)
+        site_average(self.channel, self.local_buffers)
         self.events.append(("average", self.rounds - 1))
         self.anchor = flat(self.params).clone()
 
     def sync_state(self) -> dict[str, Any]:
         # Groups step their own optimizers: each rank's moments differ from rank 0's, so they travel too.
         state: dict[str, Any] = {"rounds": self.rounds, "optimizer": self.base.state_dict()}
+        if self.local:
+            state["local"] = {k: v.detach().clone() for k, v in self.local.items()}
         if self.coded is not None:
             state["delta"] = self.coded.state_dict()
         if self.average.fixed is not None:
@@ -489,6 +542,7 @@ class GroupStale(SyncedOptimizer):
 
     def load_sync_state(self, state: dict[str, Any]) -> None:
         self.rounds = int(state.get("rounds", 0))
+        load_local(self.local, state)
         if state.get("optimizer"):
             self.base.load_state_dict(state["optimizer"])
         if self.coded is not None and state.get("delta"):
@@ -502,10 +556,17 @@ class LocalSGD(SyncedOptimizer):
     """``local-sgd``: independent steps; every ``period`` steps all ranks average w and the buffers."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, channel: Channel, period: int
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        channel: Channel,
+        period: int,
+        local_norm: bool = False,
     ) -> None:
-        super().__init__(optimizer, model)
+        super().__init__(optimizer, model, local_norm)
         self.channel, self.period = channel, period
+        buffer_ids = {id(b) for b in self.local_buffers}
+        self.local_params = [t for t in self.local.values() if id(t) not in buffer_ids]
 
     def step(self) -> None:
         self.optimizer.step()
@@ -513,19 +574,34 @@ class LocalSGD(SyncedOptimizer):
         if self.stats.steps % self.period == 0:
             before = self.stats.wan_wait_s
             average_model(self.channel, self.params + self.buffers, self.stats)
+            site_average(self.channel, self.local_params + self.local_buffers)
             self.stats.step_wan_s = self.stats.wan_wait_s - before
         else:
             self.stats.step_wan_s = 0.0
 
     def end_epoch(self) -> None:
         average_model(self.channel, self.params + self.buffers, self.stats)
+        site_average(self.channel, self.local_params + self.local_buffers)
 
     def sync_state(self) -> dict[str, Any]:
-        return {"optimizer": self.base.state_dict()}  # every rank steps its own optimizer
+        state: dict[str, Any] = {"optimizer": self.base.state_dict()}  # every rank steps its own optimizer
+        if self.local:
+            state["local"] = {k: v.detach().clone() for k, v in self.local.items()}
+        return state
 
     def load_sync_state(self, state: dict[str, Any]) -> None:
+        load_local(self.local, state)
         if state.get("optimizer"):
             self.base.load_state_dict(state["optimizer"])
+
+
+def load_local(local: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
+    """Restore a site's own normalisation tensors from a checkpointed sync state (when it has them)."""
+    saved = state.get("local") or {}
+    with torch.no_grad():
+        for name, t in local.items():
+            if name in saved:
+                t.copy_(saved[name])
 
 
 def decode_layers(buf: torch.Tensor, sizes: list[int], bits: int) -> torch.Tensor:

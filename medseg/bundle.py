@@ -46,6 +46,25 @@ SCHEMA = (
 SETTINGS = Path("configs") / "medseg.json"
 SEG_POSTFIX = "seg"
 CLS_FILENAME = "predictions.csv"
+SITE_LOCAL = "site_local.pt"
+
+
+def site_names(bundle: Bundle) -> list[str]:
+    """Sites whose own normalisation tensors the bundle holds (trained with dist.local_norm)."""
+    path = bundle.path / "models" / SITE_LOCAL
+    if not path.is_file():
+        return []
+    return sorted(torch.load(path, map_location="cpu", weights_only=True))
+
+
+def use_site(bundle: Bundle, site: str) -> None:
+    """Load site ``site``'s own normalisation tensors into the bundle's model (local_norm bundles)."""
+    per_site = torch.load(bundle.path / "models" / SITE_LOCAL, map_location="cpu", weights_only=True)
+    if site not in per_site:
+        raise RunError(f"{bundle.path}: holds normalisation state of sites {sorted(per_site)}, not {site!r}")
+    missing = bundle.model.load_state_dict(per_site[site], strict=False).unexpected_keys
+    if missing:
+        raise RunError(f"{bundle.path}: {SITE_LOCAL} names tensors the network lacks: {missing[:3]}")
 
 
 @dataclass
@@ -477,6 +496,10 @@ def export_bundle(cfg: Config, state: dict[str, Any], metrics: dict[str, Any]) -
     _write_json(tmp / SETTINGS, cfg.to_dict())
     (tmp / "models").mkdir()
     torch.save(state["model"], tmp / "models" / "model.pt")
+    if state.get("site_local"):
+        # dist.local_norm: each site's own normalisation tensors ({site: {name: tensor}}); model.pt
+        # holds rank 0's site's. `medseg evaluate --data SITE=DIR` swaps in that site's.
+        torch.save(state["site_local"], tmp / "models" / SITE_LOCAL)
     (tmp / "docs").mkdir()
     (tmp / "docs" / "README.md").write_text(
         _readme(cfg, labels, metrics, state["epoch"], validation, problem)

@@ -18,10 +18,38 @@ log = logging.getLogger("medseg")
 
 
 def _data_synth_seg(args: argparse.Namespace) -> None:
-    from medseg.datasets.synthetic import make_seg_dataset
+    from medseg.datasets.synthetic import make_seg_dataset, scanner_with
 
-    out = make_seg_dataset(args.out, n_train=args.cases, n_test=args.test, seed=args.seed)
+    changes = {k: getattr(args, k) for k in SCANNER_OPTIONS}
+    scanner = scanner_with(None, **changes) if any(v is not None for v in changes.values()) else None
+    out = make_seg_dataset(
+        args.out, n_train=args.cases, n_test=args.test, seed=args.seed, size=args.size, scanner=scanner
+    )
     print(f"segmentation dataset: {out} ({args.cases} training, {args.test} test cases)")
+
+
+SCANNER_OPTIONS = {
+    "scale": (float, "intensity scale: HU' = scale * HU * bias field + offset (default 1)"),
+    "offset": (float, "intensity offset in HU (default 0)"),
+    "noise": (float, "Gaussian noise sigma in HU (default 20)"),
+    "bias": (float, "bias field amplitude in [0, 1): smooth multiplicative shading (default 0)"),
+    "spacing": (float, "in-plane voxel size in mm (default 0.8)"),
+    "z_factor": (int, "slice thickness as a multiple of the in-plane size (default 3)"),
+    "orientation": (str, "stored axis codes, e.g. LPS (default), RAS, LAS, PSL"),
+    "small": (float, "case mix: share of cases with fewer, smaller structures (default 0)"),
+}
+
+
+def _data_synth_sites(args: argparse.Namespace) -> None:
+    from medseg.datasets.synthetic import SITE_PRESETS, make_site_datasets
+
+    made = make_site_datasets(args.out, args.preset, args.cases, args.test, args.seed, args.size)
+    for site, dirs in made.items():
+        print(f"site {site}: {dirs['train']}" + (f" (held out: {dirs['test']})" if "test" in dirs else ""))
+        print(f"  scanner {SITE_PRESETS[args.preset][site]}")
+    print("config:\nsites:")
+    for site, dirs in made.items():
+        print(f"  {site}: {{dir: {dirs['train']}}}")
 
 
 def _data_synth_cls(args: argparse.Namespace) -> None:
@@ -77,7 +105,17 @@ def _train(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, args.overrides)
     if args.np is not None and not is_worker():
-        launch(cfg, args.config, args.overrides, args.np, args.hosts, args.resume, args.straggler)
+        launch(
+            cfg,
+            args.config,
+            args.overrides,
+            args.np,
+            args.hosts,
+            args.resume,
+            args.straggler,
+            max_restarts=args.max_restarts,
+            min_sites=args.min_sites,
+        )
         _print_run(cfg.run_dir)
         return
     result = train(cfg, resume=args.resume, progress=not args.no_progress, straggler=args.straggler)
@@ -102,9 +140,18 @@ def _print_run(run_dir: Path) -> None:
 
 
 def _evaluate(args: argparse.Namespace) -> None:
-    from medseg.evaluate import evaluate, format_result
+    from medseg.evaluate import evaluate, evaluate_sites, format_result, format_sites, parse_data_args
 
-    result = evaluate(args.run, args.data, progress=not args.no_progress)
+    if args.data and len(args.data) > 1:
+        result = evaluate_sites(args.run, parse_data_args(args.data), progress=not args.no_progress)
+        print(f"{result['run']} on {len(result['sites'])} sites")
+        print(format_sites(result))
+        print(f"wrote {result['path']}")
+        return
+    named = parse_data_args(args.data)[0] if args.data else None
+    result = evaluate(
+        args.run, named[1] if named else None, progress=not args.no_progress, site=named[0] if named else None
+    )
     print(f"{result['run']} on {result['data']}")
     print(format_result(result))
     print(f"summary: {json.dumps(result['summary'])}")
@@ -232,6 +279,20 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--test", type=int, default=2, help="unlabelled test cases")
         s.add_argument("--seed", type=int, default=0)
         s.set_defaults(func=fn)
+        if name == "synth-seg":
+            s.add_argument("--size", type=int, default=96, help="voxels per side before slice thinning")
+            for opt, (tp, helptext) in SCANNER_OPTIONS.items():
+                s.add_argument(f"--{opt.replace('_', '-')}", dest=opt, type=tp, help=helptext)
+    s = data.add_parser(
+        "synth-sites", help="synthetic hospitals with unlike scanners (a preset), one dataset each"
+    )
+    s.add_argument("--out", type=Path, required=True, help="folder for <site>/ and <site>-test/")
+    s.add_argument("--preset", default="3-sites", help="which hospitals (default 3-sites)")
+    s.add_argument("--cases", type=int, default=12, help="training cases per site")
+    s.add_argument("--test", type=int, default=6, help="labelled held-out cases per site (<site>-test)")
+    s.add_argument("--size", type=int, default=96, help="voxels per side before slice thinning")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=_data_synth_sites)
     s = data.add_parser(
         "convert", help="DICOM series folder or multi-frame DICOM file -> NIfTI, geometry preserved"
     )
@@ -266,6 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hosts", help="HOST:SLOTS,... for --np across servers (default localhost:N)")
     s.add_argument(
         "--straggler", metavar="RANK:FACTOR", help="slow one rank down by FACTOR (tests and benchmarks)"
+    )
+    s.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="with --np: when a site's ranks die or its link is cut, restart from the last checkpoint "
+        "without that site, up to N times (default 0: stop)",
+    )
+    s.add_argument(
+        "--min-sites", type=int, default=1, help="with --max-restarts: stop (exit 2) below this many sites"
     )
     s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.epochs=5")
     s.set_defaults(func=_train)
@@ -374,8 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run", type=Path, required=True, help="run folder (runs/NAME) or bundle folder")
     s.add_argument(
         "--data",
-        type=Path,
-        help="dataset folder to score every labelled case of (default: the run's validation split)",
+        action="append",
+        metavar="[SITE=]DIR",
+        help="dataset folder to score every labelled case of (default: the run's validation split); "
+        "repeat for several sites: a table of sites against metrics, with a pooled row",
     )
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=_evaluate)

@@ -97,6 +97,18 @@ class DistConfig:
     bits: Literal[2, 4, 8] = 4  # compression: fixed
     timeout_s: float = 120.0  # a rank silent this long is declared hung and the job is stopped
     profile_steps: int = 8  # timed blocks (>= 0.4 s each) per rank, median: speeds for groups and rounds
+    # FedBN: normalisation layers' parameters and running statistics stay in each site (gssp, ssp,
+    # local-sgd); they are averaged inside a site only and never sent to another site
+    local_norm: bool = False
+
+
+@dataclass
+class SiteConfig:
+    """One hospital's own dataset (see ``Config.sites``); ``host`` is the ``--hosts`` entry its ranks
+    run on when that is not the site's name (e.g. an address)."""
+
+    dir: str = ""
+    host: str = ""
 
 
 @dataclass
@@ -117,6 +129,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     infer: InferConfig = field(default_factory=InferConfig)
+    # Site-local datasets: {name: {dir, host}}. With sites, a rank reads only its own site's ``dir``
+    # (``data.dir`` is not read by training) and ``--hosts`` names the sites (medseg.sitedata).
+    sites: dict[str, SiteConfig] = field(default_factory=dict)
 
     @property
     def run_dir(self) -> Path:
@@ -141,6 +156,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        key_tp, item_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return {_coerce(k, key_tp, key): _coerce(v, item_tp, f"{key}.{k}") for k, v in value.items()}
     if origin in (typing.Union, types.UnionType):
         raise ConfigError(f"{key}: union types are not supported in the schema")  # pragma: no cover
     if tp is bool:
@@ -215,6 +235,16 @@ def _check(cfg: Config) -> None:
     if d.compression == "fp16" and d.sync != "bsp":
         raise ConfigError(
             f"dist.compression: fp16 is Horovod's own compressor and works with sync: bsp only, not {d.sync}"
+        )
+    for site, sc in cfg.sites.items():
+        if not site or not all(c.isalnum() or c in "-_." for c in site):
+            raise ConfigError(f"sites: {site!r} is not a usable site name (letters, digits, - _ .)")
+        if not sc.dir:
+            raise ConfigError(f"sites.{site}.dir: each site needs the folder of its own dataset")
+    if d.local_norm and d.sync == "bsp":
+        raise ConfigError(
+            "dist.local_norm: bsp is plain Horovod and averages every parameter each step; "
+            "use gssp, ssp or local-sgd to keep normalisation layers local"
         )
     if not cfg.name or "/" in cfg.name or cfg.name.startswith("."):
         raise ConfigError(f"name: {cfg.name!r} is not a usable run folder name")

@@ -100,9 +100,10 @@ def _rss_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
 
 
-def read_dataset(cfg: Config) -> tuple[DatasetInfo, list[dict], list[dict]]:
-    """Read the dataset named by ``cfg.data.dir`` (headers only) and split it: info, train, validation."""
-    info = load_dataset(cfg.data.dir)
+def read_dataset(cfg: Config, data_dir: str | None = None) -> tuple[DatasetInfo, list[dict], list[dict]]:
+    """Read the dataset in ``data_dir`` (default ``cfg.data.dir``; headers only) and split it: info,
+    train, validation. With site-local data each site splits its own cases the same way."""
+    info = load_dataset(data_dir or cfg.data.dir)
     if info.task != cfg.task:
         raise ConfigError(f"task: config says {cfg.task!r} but {info.json_path} holds a {info.task} dataset")
     if len(info.training) < 2:
@@ -123,13 +124,14 @@ def make_train_data(
     """Build cached datasets and loaders over this rank's own cases (all of them in one process).
 
     In a multi-rank job each rank caches only the cases :meth:`own_cases` gives it, and trains on a
-    fresh draw of ``per_epoch`` of them every epoch; validation cases are loaded by the chief alone.
+    fresh draw of ``per_epoch`` of them every epoch; validation cases are loaded by the chief alone
+    (with site-local data, by each site's leader: that site's held-out cases).
     """
     session = session or LocalSession()
     info, train_items, val_items = split or read_dataset(cfg)
     own, per_epoch = session.own_cases(len(train_items), cfg.train.batch_size, cfg.train.seed)
     mine = [train_items[i] for i in own]
-    val_items = val_items if session.is_chief else []
+    val_items = val_items if session.validates else []
     if cfg.task == "segmentation":
         train_chain, val_chain = tf.seg_train(cfg), tf.seg_val(cfg)
     else:

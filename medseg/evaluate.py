@@ -20,7 +20,7 @@ from monai.metrics import DiceMetric, HausdorffDistanceMetric
 from monai.networks.utils import one_hot
 from tqdm import tqdm
 
-from medseg.bundle import Bundle, load_bundle
+from medseg.bundle import Bundle, load_bundle, site_names, use_site
 from medseg.datasets import checks
 from medseg.datasets.decathlon import load_dataset, split_train_val
 from medseg.errors import DataError
@@ -77,9 +77,16 @@ def _seg_case(bundle: Bundle, item: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def evaluate(run: str | Path, data_dir: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """Score the run's bundle; write ``<run>/eval-<dataset>.json`` and return the same mapping."""
+def evaluate(
+    run: str | Path, data_dir: str | Path | None = None, progress: bool = True, site: str | None = None
+) -> dict[str, Any]:
+    """Score the run's bundle; write ``<run>/eval-<dataset>.json`` and return the same mapping.
+
+    ``site``: for a bundle trained with ``dist.local_norm``, score with that site's own
+    normalisation tensors (the site's model); otherwise ignored."""
     bundle = load_bundle(run)
+    if site is not None and site in site_names(bundle):
+        use_site(bundle, site)
     source, items = _cases(bundle, data_dir)
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any]
@@ -137,4 +144,65 @@ def format_result(result: dict[str, Any]) -> str:
     lines.append(f"{'mean':<{width}}" + "".join(" " + cell(summary.get(k)) for k in keys))
     if result["task"] == "classification":
         lines.append(f"AUC {summary['auc']:.4f}  accuracy {summary['accuracy']:.4f}")
+    return "\n".join(lines)
+
+
+def parse_data_args(values: list[str]) -> list[tuple[str, Path]]:
+    """``--data`` values, ``DIR`` or ``NAME=DIR``, as (name, folder); the name defaults to the folder's."""
+    out = []
+    for v in values:
+        name, sep, folder = v.partition("=")
+        out.append((name, Path(folder)) if sep and name else (Path(v).name, Path(v)))
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise DataError(f"--data: two datasets share a name ({', '.join(names)}); write NAME=DIR for each")
+    return out
+
+
+def evaluate_sites(
+    run: str | Path, datasets: list[tuple[str, Path]], progress: bool = True
+) -> dict[str, Any]:
+    """Score the bundle on several sites' datasets: one summary row per site and a pooled row.
+
+    A site whose name the bundle holds own normalisation state for (``dist.local_norm``) is scored
+    with it. Pooled: each metric's mean over all sites' cases together (cases, not sites, weigh
+    equally); for classification, the case-weighted mean of the sites' AUC and accuracy. Writes
+    ``<run>/eval-sites.json``.
+    """
+    per_site: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    task = None
+    for name, folder in datasets:
+        result = evaluate(run, folder, progress=progress, site=name)
+        task = result["task"]
+        per_site[name] = {**result["summary"], "cases": len(result["cases"]), "data": result["data"]}
+        rows += result["cases"]
+    keys = [k for k in next(iter(per_site.values())) if k not in ("cases", "data")]
+    if task == "segmentation":
+        pooled = {k: _mean([r.get(k) for r in rows]) for k in keys}
+    else:
+        n = sum(s["cases"] for s in per_site.values())
+        pooled = {k: sum((s[k] or 0.0) * s["cases"] for s in per_site.values()) / n for k in keys}
+    out = {"run": str(run), "task": task, "sites": per_site, "pooled": {**pooled, "cases": len(rows)}}
+    bundle_dir = load_bundle(run).path.parent
+    path = bundle_dir / "eval-sites.json"
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(out, indent=2) + "\n")
+    os.replace(tmp, path)
+    out["path"] = str(path)
+    return out
+
+
+def format_sites(result: dict[str, Any]) -> str:
+    """Sites against metrics: one row per site, then the pooled row."""
+    sites = result["sites"]
+    keys = [k for k in result["pooled"] if k != "cases"]
+    width = max(8, *(len(s) for s in sites))
+
+    def cell(v: Any) -> str:
+        return f"{v:>12.4f}" if isinstance(v, float) else f"{'-' if v is None else v!s:>12}"
+
+    lines = [f"{'site':<{width}}" + f"{'cases':>7}" + "".join(f" {k[-12:]:>12}" for k in keys)]
+    for name, m in list(sites.items()) + [("pooled", result["pooled"])]:
+        lines.append(f"{name:<{width}}" + f"{m['cases']:>7}" + "".join(" " + cell(m.get(k)) for k in keys))
     return "\n".join(lines)

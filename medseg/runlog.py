@@ -29,7 +29,10 @@ def write_metrics(path: str | Path, records: list[dict[str, Any]]) -> None:
 
 
 def plot_learning_curve(records: list[dict[str, Any]], key_metric: str, path: str | Path) -> None:
-    """Training loss and the key validation metric against epoch, as a PNG."""
+    """Training loss and the key validation metric against epoch, as a PNG.
+
+    A site-local run (records with ``sites``) gets one line of the key metric per site, dashed, beside
+    the pooled one."""
     path = Path(path)
     epochs = [r["epoch"] for r in records]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
@@ -39,7 +42,23 @@ def plot_learning_curve(records: list[dict[str, Any]], key_metric: str, path: st
     val = [(r["epoch"], r[key_metric]) for r in records if r.get(key_metric) is not None]
     if val:
         ax2 = ax.twinx()
-        ax2.plot(*zip(*val), "s-", color="tab:orange", label=key_metric)
+        ax2.plot(
+            *zip(*val),
+            "s-",
+            color="tab:orange",
+            label=f"{key_metric} (pooled)" if "sites" in records[-1] else key_metric,
+        )
+        sites = sorted({s for r in records for s in (r.get("sites") or {})})
+        for i, site in enumerate(sites):
+            pts = [
+                (r["epoch"], r["sites"][site][key_metric])
+                for r in records
+                if (r.get("sites") or {}).get(site, {}).get(key_metric) is not None
+            ]
+            if pts:
+                ax2.plot(*zip(*pts), "--", marker=".", color=f"C{(i + 2) % 10}", label=f"site {site}")
+        if sites:
+            ax2.legend(loc="lower right", fontsize=7)
         ax2.set_ylabel(key_metric, color="tab:orange")
         ax2.set_ylim(0, 1)
     ax.set_title(path.parent.name)

@@ -25,7 +25,7 @@ from medseg.config import Config, config_from_dict, diff_configs, save_config
 from medseg.data import make_train_data, read_dataset, seed_epoch
 from medseg.datasets.checks import prepare_output_dir
 from medseg.distributed import LocalSession, open_session
-from medseg.errors import ConfigError, RunError
+from medseg.errors import ConfigError, MedsegError, RunError
 from medseg.models import build_network, network_def
 from medseg.runlog import plot_learning_curve, read_metrics, write_metrics
 from medseg.tasks import make_task
@@ -156,6 +156,11 @@ def train(
         return _train(
             cfg, session, state, progress, until_epoch or cfg.train.epochs, last_path, best_path, metrics_path
         )
+    except MedsegError as exc:
+        session.report(
+            {"ev": "error", "message": str(exc)}
+        )  # the launcher shows it instead of "rank R failed"
+        raise
     finally:
         if handler is not None:
             logging.getLogger("medseg").removeHandler(handler)
@@ -183,7 +188,12 @@ def _train(
     use_amp = t.amp and device.type == "cuda"
     torch.manual_seed(t.seed)  # weight initialisation; each epoch reseeds its own draws
     session.phase("load")
-    split = read_dataset(cfg)
+    split = read_dataset(cfg, session.data_dir(cfg))  # with sites: this rank's own site's folder only
+    if cfg.sites:
+        from medseg.sitedata import dataset_facts
+
+        # header facts against the other sites' before anything is built or trained
+        session.check_sites(dataset_facts(split[0], len(split[1]), len(split[2])))
     labels = split[0].labels
     task = make_task(cfg, labels)
     model = build_network(network_def(cfg, out_channels=len(labels))).to(device)
@@ -211,7 +221,15 @@ def _train(
     session.phase("load")
     data = make_train_data(cfg, session, split)  # this rank's own cases, cached once
     _fault_delay("load", session.rank)
-    session.report({"ev": "loaded", "cases": len(data.train_items), "cache_mb": round(data.cache_mb, 1)})
+    session.report(
+        {
+            "ev": "loaded",
+            "cases": len(data.train_items),
+            "cache_mb": round(data.cache_mb, 1),
+            "site": session.site,
+            "data": str(data.info.root),  # the one dataset folder this rank opened
+        }
+    )
     scheduler = (
         torch.optim.lr_scheduler.CosineAnnealingLR(base_optimizer, T_max=t.epochs)
         if t.scheduler == "cosine"
@@ -284,14 +302,29 @@ def _train(
         }
         record.update(session.end_epoch(optimizer))
         sync_marker = session.save_sync_state(optimizer, cfg.run_dir, epoch)  # each rank's residuals, locally
-        if not session.is_chief:
-            continue  # rank 0 alone validates and writes; the others wait for it at the next epoch
-        if data.val_loader is not None and (epoch % t.val_interval == 0 or epoch == t.epochs):
+        site_local = session.gather_site_local(
+            optimizer
+        )  # local_norm: each site's own norm tensors, on rank 0
+        due = epoch % t.val_interval == 0 or epoch == t.epochs
+        scores: dict[str, Any] = {}
+        val_tic = time.perf_counter()
+        if session.validates and data.val_loader is not None and due:
             session.phase("validate")
             _fault_delay("validate", session.rank)
             model.eval()
-            val_tic = time.perf_counter()
-            record.update(task.validate(model, data.val_loader, device))
+            scores = task.validate(model, data.val_loader, device)
+        if cfg.sites and due:
+            # each site's leader scored its own held-out cases; only the scores travel, to rank 0
+            session.phase("wait")
+            per_site = session.gather_site_metrics({**scores, "val_cases": len(data.val_items)})
+            if per_site is not None:
+                from medseg.sitedata import pool_metrics
+
+                scores = {**pool_metrics(per_site), "sites": per_site}
+        if not session.is_chief:
+            continue  # rank 0 alone writes; the others wait for it at the next epoch
+        record.update(scores)
+        if scores:
             record["val_s"] = round(time.perf_counter() - val_tic, 3)
         record["time"] = round(time.time(), 3)  # wall clock after validation: time-to-accuracy curves
         record["train_start"] = round(train_start, 3)
@@ -313,6 +346,8 @@ def _train(
         }
         if sync_marker is not None:
             payload["dist"] = sync_marker
+        if site_local:
+            payload["site_local"] = site_local  # for per-site evaluation of the bundle
         save_checkpoint(payload, last_path)
         if is_best or data.val_loader is None:
             save_checkpoint(payload, best_path)

@@ -277,3 +277,69 @@ def test_a_cut_site_stops_the_job_naming_it_and_resume_continues(tmp_path: Path)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert read_metrics(tmp_path / "runs" / "cut" / "metrics.jsonl")[-1]["epoch"] == epoch + 1
     assert leftovers() == []
+
+
+@needs_host
+def test_a_site_cut_mid_epoch_is_left_out_and_the_job_finishes_with_the_others(tmp_path: Path) -> None:
+    """Two hospitals, each with its own data; site b's link is cut after the first checkpoint. With
+    --max-restarts 1 the launcher names site b, restarts from the last checkpoint with site a
+    alone and the job finishes every epoch: the work lost is at most the epoch that was running."""
+    pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup` (scripts/build_horovod.sh)")
+    from medseg.checkpoint import load_checkpoint
+    from medseg.datasets.synthetic import make_seg_dataset
+    from medseg.runlog import read_metrics
+
+    dirs = {
+        s: make_seg_dataset(tmp_path / s, n_train=6, n_test=0, seed=i, size=32) for i, s in enumerate("ab")
+    }
+    cfg = tiny_seg_config(
+        tmp_path / "unused",
+        tmp_path / "runs",
+        name="drop",
+        epochs=8,
+        batch_size=1,
+        threads=1,
+        scheduler="none",
+    ).to_dict()
+    cfg["dist"].update({"sync": "gssp", "staleness": 1, "timeout_s": 15, "profile_steps": 2})
+    cfg["sites"] = {s: {"dir": str(d), "host": f"198.18.{i + 1}.1"} for i, (s, d) in enumerate(dirs.items())}
+    config = tmp_path / "drop.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    run = tmp_path / "runs" / "drop"
+    with sites.testbed(sites="a:1,b:1", wan="50mbit:5ms", probe=False) as tb:
+        env = tb.launcher_env()
+        argv = [str(BIN / "medseg"), "train", "--config", str(config), "--np", "2", "--hosts", "a:1,b:1"]
+        argv += ["--max-restarts", "1", "--min-sites", "1"]
+        job = subprocess.Popen(
+            tb.launcher_prefix() + argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        try:
+            deadline = time.time() + 900
+            while not (run / "checkpoints" / "last.pt").exists():
+                assert job.poll() is None and time.time() < deadline, "no checkpoint appeared"
+                time.sleep(0.5)
+            done_at_cut = load_checkpoint(run / "checkpoints" / "last.pt")["epoch"]
+            tb.cut("b")
+            out, err = job.communicate(timeout=500)
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    (tmp_path / "job.log").write_text(out + err)
+    assert job.returncode == 0, err[-3000:]
+    assert "site b dropped out" in err and "restart 1 of 1" in err and "with sites a" in err, err[-3000:]
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["epoch"] for r in records] == list(range(1, 9))
+    resumed = min(r["epoch"] for r in records if set(r["sites"]) == {"a"})
+    assert resumed - 1 >= done_at_cut, (
+        resumed,
+        done_at_cut,
+    )  # restarted from the checkpoint there at the cut (or later)
+    assert all(set(r["sites"]) == {"a", "b"} for r in records if r["epoch"] < resumed)
+    assert (run / "bundle").is_dir()
+    assert leftovers() == []
