@@ -113,7 +113,9 @@ def estimate(
     aligned = _axis_aligned(cfg, image)
     rows = buffer_rows(grid, cfg.transforms.patch, cfg.infer.overlap, cfg.infer.sw_batch_size)
     plane = max(grid[1], cfg.transforms.patch[1]) * max(grid[2], cfg.transforms.patch[2])
-    windows = cfg.infer.sw_batch_size * patch * (classes + 1) * 4 * 8  # patch batch and activations
+    # one batch of windows: the network's activations (about 96 bytes per patch voxel for the demo-sized
+    # UNet, whatever the class count) and the class maps of its last layers and of the output
+    windows = cfg.infer.sw_batch_size * patch * (96 + 8 * (classes + 1))
     stream = 4 * n_m + acc * (classes + 1) * rows * plane + windows + 2 * n_in + SLAB_BYTES
     return MemoryEstimate(
         input_bytes=int(image.element_size() * image.numel()),

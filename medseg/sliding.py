@@ -135,10 +135,12 @@ def sliding_window_slabs(
                 acc[:, a - base : b - base, lo[1] : lo[1] + spatial[1], lo[2] : lo[2] + spatial[2]],
             )
         rest = top - nxt
-        if rest > 0:
-            acc[:, :rest] = acc[:, k : k + rest].clone()
-            count[:, :rest] = count[:, k : k + rest].clone()
+        # Move the unfinished rows to the front, row by row upwards: the destination row i lies below
+        # its source k + i and above every source already read, so nothing is overwritten early and no
+        # C-channel temporary is made.
+        for i in range(max(rest, 0)):
+            acc[:, i].copy_(acc[:, k + i])
+            count[:, i].copy_(count[:, k + i])
         acc[:, max(rest, 0) :] = 0
         count[:, max(rest, 0) :] = 0
         base = nxt
-
