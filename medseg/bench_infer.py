@@ -343,8 +343,15 @@ def bench_infer(
     fp16: bool = True,
     old_limit_bytes: int = OLD_LIMIT_BYTES,
     partial: Path | None = None,
+    reuse: dict[tuple[tuple[int, ...], int, str], list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
-    """Run every (size, classes, variant) in its own process; see the module docstring."""
+    """Run every (size, classes, variant) in its own process; see the module docstring.
+
+    ``reuse`` (:func:`runs_from_log`) holds runs an interrupted invocation finished, by (shape, classes,
+    variant), in round order: they are taken instead of being run again (their label maps must still
+    be in ``workdir``), and the result says which.
+    """
+    reuse = {k: list(v) for k, v in (reuse or {}).items()}
     from medseg.predict_memory import available_bytes
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -385,7 +392,14 @@ def bench_infer(
                 if v == "new-fp16" and r > 0:
                     continue
                 log.info("bench infer: %s, %d classes, %s, round %d", shape, c, v, r + 1)
-                res = _run_child(bundles[c], shape, v, device, path, timeout_s)
+                earlier = reuse.get((tuple(shape), c, v))
+                if earlier and (path is None or path.exists()):
+                    res = {**earlier.pop(0), "reused": True}
+                    result.setdefault("reused", []).append(
+                        f"{'x'.join(map(str, shape))} x {c} {v} round {r + 1}"
+                    )
+                else:
+                    res = _run_child(bundles[c], shape, v, device, path, timeout_s)
                 print(f"{'x'.join(map(str, shape)):>13} {c:3d} {v:9s} {json.dumps(res)}", flush=True)
                 entry = case["variants"].setdefault(v, {"runs": []})
                 entry["runs"].append(res)
@@ -412,6 +426,19 @@ def bench_infer(
 
             write_json(partial, result)
     return result
+
+
+def runs_from_log(text: str) -> dict[tuple[tuple[int, ...], int, str], list[dict[str, Any]]]:
+    """Finished runs printed by an earlier invocation (``IxJxK classes variant {json}`` lines)."""
+    runs: dict[tuple[tuple[int, ...], int, str], list[dict[str, Any]]] = {}
+    for line in text.splitlines():
+        parts = line.split(None, 3)
+        if len(parts) == 4 and parts[3].startswith("{") and "x" in parts[0] and parts[1].isdigit():
+            res = json.loads(parts[3])
+            if "error" not in res:
+                shape = tuple(int(n) for n in parts[0].split("x"))
+                runs.setdefault((shape, int(parts[1]), parts[2]), []).append(res)
+    return runs
 
 
 def _summarise(case: dict[str, Any]) -> None:
@@ -568,6 +595,11 @@ def run_note(result: dict[str, Any]) -> str:
         )
     if missing:
         parts.append("Requested but not finished in this run, not reported: " + ", ".join(missing) + ".")
+    if result.get("reused"):
+        parts.append(
+            "Taken from an interrupted earlier invocation of the same code on the same machine (its "
+            "printed results and label maps): " + ", ".join(result["reused"]) + "."
+        )
     return " ".join(parts)
 
 

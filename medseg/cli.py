@@ -208,6 +208,10 @@ def _bench_infer(args: argparse.Namespace) -> None:
         kwargs["classes"] = tuple(args.classes)
     if args.old_limit_gb is not None:
         kwargs["old_limit_bytes"] = int(args.old_limit_gb * 2**30)
+    if args.reuse_log is not None:
+        from medseg.bench_infer import runs_from_log
+
+        kwargs["reuse"] = runs_from_log(args.reuse_log.read_text())
     result = bench_infer(
         args.workdir, quick=args.quick, device=args.device, rounds=args.rounds, partial=args.json, **kwargs
     )
@@ -352,6 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--old-limit-gb",
         type=float,
         help="run the previous path only where its predicted peak is below this (default 14)",
+    )
+    s.add_argument(
+        "--reuse-log",
+        type=Path,
+        help="take the runs an interrupted invocation printed to this log (its label maps must be in --workdir)",
     )
     s.add_argument(
         "--workdir",
