@@ -3,7 +3,10 @@
 The previous path (C probability maps inverted by ``Invertd``, argmax after) is kept in
 ``medseg.bench_infer.predict_reference``; :func:`medseg.infer.predict` must give the same labels on
 every voxel, for 3 and 14 classes, for inputs that the model grid down- or up-samples, that are
-stored flipped, permuted or oblique.
+stored flipped, permuted or oblique. Its parts are checked on their own: the slabbed sliding window
+against MONAI's ``sliding_window_inference`` (``torch.equal``), the streamed inversion against the
+whole-grid one, the memory estimate against the issue's 10% class-growth bound, and the benchmark's
+label target against differences away from near-ties.
 """
 
 from __future__ import annotations
