@@ -255,7 +255,20 @@ def _bench_infer(args: argparse.Namespace) -> None:
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu")
-    result = bench_infer(args.workdir, quick=args.quick, device=args.device, rounds=args.rounds)
+    kwargs = {}
+    if args.sizes:
+        kwargs["sizes"] = [tuple(int(n) for n in s.lower().split("x")) for s in args.sizes]
+    if args.classes:
+        kwargs["classes"] = tuple(args.classes)
+    if args.old_limit_gb is not None:
+        kwargs["old_limit_bytes"] = int(args.old_limit_gb * 2**30)
+    if args.reuse_log is not None:
+        from medseg.bench_infer import runs_from_log
+
+        kwargs["reuse"] = runs_from_log(args.reuse_log.read_text())
+    result = bench_infer(
+        args.workdir, quick=args.quick, device=args.device, rounds=args.rounds, partial=args.json, **kwargs
+    )
     _report(result, args, write_report, format_table, check_targets)
 
 
@@ -423,6 +436,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--markdown", type=Path, help="update this markdown file's infer section")
     s.add_argument("--device", default="cpu", help="cpu or cuda")
     s.add_argument("--rounds", type=int, default=2, help="timed rounds of old and new per case (default 2)")
+    s.add_argument("--sizes", nargs="+", metavar="IxJxK", help="input sizes (default: all three CT sizes)")
+    s.add_argument("--classes", type=int, nargs="+", help="class counts (default: 3 14)")
+    s.add_argument(
+        "--old-limit-gb",
+        type=float,
+        help="run the previous path only where its predicted peak is below this (default 14)",
+    )
+    s.add_argument(
+        "--reuse-log",
+        type=Path,
+        help="take the runs an interrupted invocation printed to this log (its label maps must be in --workdir)",
+    )
     s.add_argument(
         "--workdir",
         type=Path,

@@ -3,17 +3,23 @@
 :func:`segment` is the segmentation half of :func:`medseg.infer.predict`:
 
 1. sliding-window inference at the model grid with the bundle's window settings (``sw_batch_size``,
-   ``overlap``, Gaussian or constant blending); the blended logits accumulate in float32 at the model
-   grid (``C x N_model`` floats; ``N_model`` is about a tenth of a CT's voxels at 0.78 mm in-plane);
-2. softmax over classes in place, in chunks of the last axis (softmax is per voxel, so chunking
-   changes nothing);
-3. :func:`medseg.resample.invert_argmax`: the probabilities are interpolated onto the input grid and
-   arg-maxed slab by slab, so no ``C x N_input`` array ever exists (see that module for the maths and
-   the equivalence with ``Invertd`` + argmax).
+   ``overlap``, Gaussian or constant blending), by :func:`medseg.sliding.sliding_window_slabs`: the
+   same windows, batches and sums as MONAI's ``sliding_window_inference``, bit for bit, but handed
+   over in finished slabs of the model grid's first axis, so the blended logits exist for about one
+   window plus one scan interval of rows at a time, never as a ``C x N_model`` volume;
+2. softmax over classes in place on each slab, one row at a time (softmax is per voxel, so the
+   chunking changes nothing);
+3. :class:`medseg.resample.StreamInverter`: each slab of probabilities is interpolated onto the
+   input grid and arg-maxed as soon as the input slices that need it are complete, keeping one model
+   row from the previous slab; only uint8 labels accumulate (see :mod:`medseg.resample` for the maths
+   and the equivalence with ``Invertd`` + argmax). No ``C x N_input`` or ``C x N_model`` array ever
+   exists, so the class count enters the peak only through the rolling buffers (``C`` x a few rows).
+   A voxel map that mixes axes (sheared input) keeps the whole-grid probabilities and falls back to
+   :func:`medseg.resample.invert_argmax` with ``grid_sample``.
 
 Accumulating in float16 would halve step 1's buffers (``ACCUMULATE_DTYPE``); it is not the default
-because the buffers are at the model grid and small next to the input, and float16 sums of Gaussian
-weighted logits change labels at near ties (``medseg bench infer`` counts them).
+because the buffers are small, and float16 sums of Gaussian weighted logits change labels at near
+ties (``medseg bench infer`` counts them).
 
 :func:`estimate` predicts the peak resident memory of a prediction before it starts, and
 :func:`check_fits` turns an input that cannot fit into a :class:`medseg.errors.DataError` naming the
@@ -30,18 +36,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from monai.data import MetaTensor
-from monai.inferers import sliding_window_inference
 
 from medseg.config import Config
 from medseg.errors import DataError
 from medseg.resample import (
     SLAB_BYTES,
+    StreamInverter,
     as_axis_map,
     invert_argmax,
     resample_threads,
     resample_to_model,
     voxel_map,
 )
+from medseg.sliding import buffer_rows, sliding_window_slabs
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +65,12 @@ class MemoryEstimate:
 
     input_bytes: int
     preprocess_bytes: int
-    window_bytes: int
-    invert_bytes: int
+    stream_bytes: int
     base_bytes: int = BASE_BYTES
 
     @property
     def peak_bytes(self) -> int:
-        return (
-            self.base_bytes
-            + self.input_bytes
-            + max(self.preprocess_bytes, self.window_bytes, self.invert_bytes)
-        )
+        return self.base_bytes + self.input_bytes + max(self.preprocess_bytes, self.stream_bytes)
 
 
 def model_grid_shape(cfg: Config, image: MetaTensor) -> tuple[int, int, int]:
@@ -88,28 +90,37 @@ def estimate(
 ) -> MemoryEstimate:
     """Peak memory of :func:`segment` on ``image``, in bytes, before any of it is allocated.
 
-    Per phase, beyond the loaded input (``4 N_in`` bytes as float32):
+    With ``N_in`` input voxels, ``N_m = X Y Z`` model-grid voxels and ``C`` classes, beyond the loaded
+    input (its own bytes):
 
     - preprocessing (:func:`model_input`): one slab of float64 work (``SLAB_BYTES / 2``), the model
       input and its windowed copy (``4 + 4`` bytes per model voxel); for a map that is not
       axis-aligned, MONAI's transforms: an oriented copy and a float64 copy of the input (``12 N_in``)
       and ``affine_grid``'s grids (``56`` bytes per model voxel, float64);
-    - sliding window: model input ``4 N_m``, accumulators ``(C + 1) N_m`` of ``accumulate`` dtype, the
-      windows of one batch;
-    - inversion: the probabilities (``C N_m`` accumulate-size bytes), the uint8 labels ``N_in`` and
-      one slab's float32 work (``SLAB_BYTES``), plus the uint8 copy handed back.
+    - streaming (sliding window and inversion at once): the model input ``4 N_m``; the rolling sums and
+      counts ``(C + 1) R Y Z`` of the accumulate dtype, ``R`` = :func:`medseg.sliding.buffer_rows`
+      (about one window plus one scan interval of rows); the windows of one batch and their
+      activations; the uint8 labels and the copy handed back (``2 N_in``); one inversion slab
+      (``SLAB_BYTES``). The only class-dependent terms are the rolling buffers and the window batch,
+      neither of which grows with the volume's length. For a map that is not axis-aligned the
+      whole-grid probabilities ``C N_m`` are held as well.
     """
     acc = torch.finfo(accumulate or ACCUMULATE_DTYPE).bits // 8
     n_in = int(np.prod(image.shape[1:4]))
-    n_m = int(np.prod(model_grid_shape(cfg, image)))
+    grid = model_grid_shape(cfg, image)
+    n_m = int(np.prod(grid))
     patch = int(np.prod(cfg.transforms.patch))
     aligned = _axis_aligned(cfg, image)
-    windows = cfg.infer.sw_batch_size * patch * (classes + 1) * 4 * 8  # patch batch and activations
+    rows = buffer_rows(grid, cfg.transforms.patch, cfg.infer.overlap, cfg.infer.sw_batch_size)
+    plane = max(grid[1], cfg.transforms.patch[1]) * max(grid[2], cfg.transforms.patch[2])
+    # one batch of windows: the network's activations (about 96 bytes per patch voxel for the demo-sized
+    # UNet, whatever the class count) and the class maps of its last layers and of the output
+    windows = cfg.infer.sw_batch_size * patch * (96 + 8 * (classes + 1))
+    stream = 4 * n_m + acc * (classes + 1) * rows * plane + windows + 2 * n_in + SLAB_BYTES
     return MemoryEstimate(
         input_bytes=int(image.element_size() * image.numel()),
         preprocess_bytes=SLAB_BYTES // 2 + 8 * n_m if aligned else 12 * n_in + 64 * n_m,
-        window_bytes=4 * n_m + acc * (classes + 1) * n_m + windows,
-        invert_bytes=acc * classes * n_m + 2 * n_in + SLAB_BYTES,
+        stream_bytes=stream if aligned else stream + 4 * classes * n_m,
     )
 
 
@@ -203,6 +214,13 @@ def model_input(cfg: Config, image: MetaTensor) -> tuple[torch.Tensor, np.ndarra
     return (x.as_tensor() if isinstance(x, MetaTensor) else x), affine
 
 
+def _softmax_rows_(block: torch.Tensor) -> None:
+    """Softmax over classes (dim 0) in place, one first-axis row at a time (per voxel: rows change nothing)."""
+    for r in range(block.shape[1]):
+        row = block[:, r]
+        row.copy_(torch.softmax(row.float(), 0))
+
+
 @torch.no_grad()
 def segment(
     model: torch.nn.Module,
@@ -215,51 +233,51 @@ def segment(
     """Labels (I, J, K) uint8 on ``image``'s grid; see the module docstring for the steps."""
     acc = accumulate or ACCUMULATE_DTYPE
     x, model_affine = model_input(cfg, image)
+    model_shape = tuple(int(n) for n in x.shape[1:4])
     x = x[None].to(device)
     if acc != torch.float32:
         x = x.to(acc)
 
     def forward(patch: torch.Tensor) -> torch.Tensor:
-        patch = patch.as_tensor() if isinstance(patch, MetaTensor) else patch
         return model(patch.float()).to(acc)
 
     inf = cfg.infer
     use_amp = device.type == "cuda" and cfg.train.amp
-    with torch.autocast(device.type, enabled=use_amp):
-        logits = sliding_window_inference(
-            x,
-            cfg.transforms.patch,
-            inf.sw_batch_size,
-            forward,
-            overlap=inf.overlap,
-            mode=inf.mode,
-            progress=False,
-            sw_device=device,
-            device="cpu",
-        )
-    del x
-    logits = logits.as_tensor() if isinstance(logits, MetaTensor) else logits
-    probs = logits[0]
-    del logits
-    if probs.dtype != acc:
-        probs = probs.to(acc)
-    # Softmax over classes, in place, a few planes at a time (per voxel, so chunks change nothing).
-    plane = max(1, int(np.prod(probs.shape[1:3])))
-    step = max(1, (64 * 2**20) // (4 * probs.shape[0] * plane))
-    for chunk in probs.split(step, dim=-1):
-        chunk.copy_(torch.softmax(chunk.float(), 0))
-    if progress:
-        progress(0.8)
     m = voxel_map(model_affine, np.asarray(image.affine, dtype=np.float64))
+    out_shape = tuple(int(n) for n in image.shape[1:4])
+    inverter = StreamInverter(m, model_shape, out_shape) if as_axis_map(m) is not None else None
+    probs: torch.Tensor | None = None  # the whole model grid, only for a map that mixes axes
     threads = torch.get_num_threads()
     torch.set_num_threads(max(threads, resample_threads()))
     try:
-        label = invert_argmax(
-            probs,
-            m,
-            tuple(image.shape[1:4]),
-            progress=(lambda f: progress(0.8 + 0.2 * f)) if progress else None,
-        )
+        with torch.autocast(device.type, enabled=use_amp):
+            slabs = sliding_window_slabs(
+                x,
+                cfg.transforms.patch,
+                inf.sw_batch_size,
+                forward,
+                overlap=inf.overlap,
+                mode=inf.mode,
+                sw_device=device,
+                device="cpu",
+            )
+            for start, block in slabs:
+                _softmax_rows_(block)
+                if inverter is not None:
+                    inverter.feed(start, block)
+                else:
+                    if probs is None:
+                        probs = torch.empty((block.shape[0], *model_shape), dtype=block.dtype)
+                    probs[:, start : start + block.shape[1]] = block
+                if progress:
+                    progress(0.95 * (start + block.shape[1]) / model_shape[0])
+        del x
+        if inverter is not None:
+            label = inverter.result()
+        else:
+            log.info("inversion: the voxel map mixes axes; whole-grid probabilities, grid_sample in slabs")
+            assert probs is not None
+            label = invert_argmax(probs, m, out_shape)
     finally:
         torch.set_num_threads(threads)
     return label

@@ -187,6 +187,96 @@ def invert_argmax(
     return out
 
 
+class StreamInverter:
+    """(1) evaluated while the model grid arrives in slabs of its first axis (see ``medseg.sliding``).
+
+    Input axis ``a0`` reads model axis 0 at ``u = scale * i + offset``; input index ``i`` needs model rows
+    ``lo_i = floor(u)`` and ``hi_i = min(lo_i + 1, X - 1)`` (``u`` clamped to ``[0, X - 1]``). Both are
+    monotone in ``i``, so taking input indices by increasing ``lo``, index ``i`` can be computed as soon
+    as rows up to ``hi_i`` have arrived, and needs nothing below ``hi_i - 1``: keeping the last row of
+    the previous slab is enough. Each voxel's value is (1) computed from the same corner values and
+    weights in the same order as :func:`invert_argmax` (model axis 0 first), so when ``a0 = 0`` the
+    labels are those of :func:`invert_argmax` on the whole probability volume.
+
+    Probability slabs are fed with :meth:`feed` in order; :meth:`result` returns the (I, J, K) uint8
+    labels once every model row has arrived. Work is cut into input slabs of :func:`slab_size`.
+    """
+
+    def __init__(
+        self,
+        m: np.ndarray,
+        model_shape: tuple[int, int, int],
+        out_shape: tuple[int, int, int],
+        budget: int = SLAB_BYTES,
+    ) -> None:
+        amap = as_axis_map(m)
+        if amap is None:
+            raise ValueError("StreamInverter needs an axis-aligned map (a scaled permutation)")
+        self.perm = amap.perm
+        self.a0, self.a1, self.a2 = (amap.perm.index(k) for k in range(3))
+        self.out_shape = tuple(int(n) for n in out_shape)
+        self.axes = [
+            _axis_weights(self.out_shape[a], int(model_shape[amap.perm[a]]), amap.scale[a], amap.offset[a])
+            for a in range(3)
+        ]
+        lo0, hi0, _ = self.axes[self.a0]
+        self.descending = bool(len(lo0) > 1 and lo0[0] > lo0[-1])
+        # Input indices along a0 by increasing lo (ties keep index order), and their hi.
+        self.order = torch.arange(len(lo0) - 1, -1, -1) if self.descending else torch.arange(len(lo0))
+        self.hi_sorted = hi0[self.order]
+        self.lo_sorted = lo0[self.order]
+        self.done = 0
+        self.rows = int(model_shape[0])
+        self.budget = budget
+        self.carry: torch.Tensor | None = None
+        self.carry_row = -1
+        self.out = torch.empty(self.out_shape, dtype=torch.uint8)
+        # labels come out with axes (a2, a1, a0); this puts them back in input order
+        self.back = tuple((self.a2, self.a1, self.a0).index(d) for d in range(3))
+
+    @property
+    def finished(self) -> bool:
+        return self.done == len(self.order)
+
+    @torch.no_grad()
+    def feed(self, start: int, block: torch.Tensor) -> None:
+        """Probabilities (C, rows, Y, Z) of model rows ``start:start + rows``, the next rows in order."""
+        if block.shape[0] > 256:
+            raise ValueError(f"{block.shape[0]} classes do not fit a uint8 label map")
+        stop = start + block.shape[1]
+        ready = int(torch.searchsorted(self.hi_sorted, stop, side="left"))
+        # Indices whose lower row is the previous slab's last: a two-row source (carry, first row),
+        # so that the slab itself is never copied whole.
+        need_carry = min(ready, int(torch.searchsorted(self.lo_sorted, start, side="left")))
+        if need_carry > self.done:
+            if self.carry is None or self.carry_row != start - 1:  # pragma: no cover - rows come in order
+                raise RuntimeError("inversion needs a model row that has already been dropped")
+            self._emit(need_carry, torch.cat([self.carry, block[:, :1]], 1), start - 1)
+        self._emit(ready, block, start)
+        self.carry = block[:, -1:].clone()
+        self.carry_row = stop - 1
+
+    def _emit(self, ready: int, src: torch.Tensor, first: int) -> None:
+        """Labels of the input indices ``order[done:ready]`` from model rows ``first:first + src.shape[1]``."""
+        slab = slab_size(src.shape[0], self.out_shape[self.a1] * self.out_shape[self.a2], self.budget)
+        lo0, hi0, w0 = self.axes[self.a0]
+        while self.done < ready:
+            take = self.order[self.done : min(ready, self.done + slab)]
+            i0 = int(take.min())
+            idx = torch.arange(i0, i0 + len(take))
+            block = _lerp_axis(src, 1, lo0[idx] - first, hi0[idx] - first, w0[idx])  # (C, s, Y, Z)
+            block = _lerp_axis(block.permute(0, 2, 1, 3).contiguous(), 1, *self.axes[self.a1])
+            block = _lerp_axis(block.permute(0, 3, 1, 2).contiguous(), 1, *self.axes[self.a2])
+            self.out.narrow(self.a0, i0, len(take)).copy_(argmax_first(block).permute(*self.back))
+            del block
+            self.done += len(take)
+
+    def result(self) -> torch.Tensor:
+        if not self.finished:
+            raise RuntimeError(f"inversion incomplete: {self.done} of {len(self.order)} input slices")
+        return self.out
+
+
 @torch.no_grad()
 def resample_to_model(
     image: torch.Tensor, m: np.ndarray, out_shape: tuple[int, int, int], budget: int = SLAB_BYTES // 2
