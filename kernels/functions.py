@@ -24,6 +24,10 @@ whose inverse is ill-conditioned in float32)
              gets ``dz, dW, db`` from ``aten.convolution_backward``, frees z, and runs the norm
              backward from the input with dx written over dz's buffer. The ReLU mask is
              recomputed from x, so no mask or map is kept between forward and backward.
+    layout   on CPU, when the convolution reads fewer than 16 channels, the rebuilt map (and in
+             backward the output gradient) is convolved in channels-last layout: oneDNN would
+             otherwise copy it into a block padded to 16 channels (docs/design.md). The output and
+             the gradients handed back are plain contiguous tensors; the values are the same maths.
 
 Both are exact: same maths as the unfused PyTorch modules up to float rounding.
 """
