@@ -115,7 +115,8 @@ def test_norm_act_conv_on_narrow_input_equals_torch_modules(channels_last, monke
     torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
     for e, got in zip(expected, torch.autograd.grad(out, params, g)):
         assert got.is_contiguous()
-        torch.testing.assert_close(got, e, rtol=1e-4, atol=1e-5)
+        # float32 sums in another order: within 1e-5 of each gradient's own scale
+        torch.testing.assert_close(got, e, rtol=1e-4, atol=1e-5 * float(e.abs().max()))
 
 
 def test_batchnorm_running_stats_and_eval_mode(backend):
