@@ -83,7 +83,8 @@ def bench_memory(
     if variants is None:
         # torch.compile of a 3D UNet's forward and backward takes minutes on 2 CPU cores.
         variants = tuple(v for v in VARIANTS if not (quick and v == "compile"))
-    timeout_s = 900.0 if quick else 3600.0
+    # per variant; generous, because a shared 2-core machine can run a quick step 30x slower than idle
+    timeout_s = 3600.0
     out: dict[str, Any] = {"nets": {}, "patch": patch, "width": width, "batch": batch, "steps": steps}
     out["cases"] = {
         c: {"net": CASES[c][0], "classes": CASES[c][1], "width": CASES[c][2] or width} for c in nets

@@ -24,6 +24,10 @@ whose inverse is ill-conditioned in float32)
              gets ``dz, dW, db`` from ``aten.convolution_backward``, frees z, and runs the norm
              backward from the input with dx written over dz's buffer. The ReLU mask is
              recomputed from x, so no mask or map is kept between forward and backward.
+    layout   on CPU, when the convolution reads fewer than 16 channels, the rebuilt map (and in
+             backward the output gradient) is convolved in channels-last layout: oneDNN would
+             otherwise copy it into a block padded to 16 channels (docs/design.md). The output and
+             the gradients handed back are plain contiguous tensors; the values are the same maths.
 
 Both are exact: same maths as the unfused PyTorch modules up to float rounding.
 """
@@ -212,8 +216,15 @@ class FusedNormActConv(torch.autograd.Function):
         x = x.contiguous()
         mean, invstd, stats_grad = _statistics(x, spec, training, running_mean, running_var, num_batches)
         z = _rebuild(x, mean, invstd, weight, bias, prelu, spec)
-        out = conv.run(z, conv_weight, conv_bias)
-        del z
+        if channels_last(z, conv_weight):
+            # oneDNN's blocked copy of a narrow z would be padded to 16 channels: convolve channels-last.
+            z = _to_channels_last(z)
+            out = conv.run(z, conv_weight.contiguous(memory_format=_CL), conv_bias)
+            del z
+            out = out.contiguous()
+        else:
+            out = conv.run(z, conv_weight, conv_bias)
+            del z
         ctx.save_for_backward(x, mean, invstd, weight, bias, prelu, conv_weight)
         ctx.spec, ctx.conv, ctx.stats_grad, ctx.has_conv_bias = spec, conv, stats_grad, conv_bias is not None
         return out
@@ -235,17 +246,28 @@ class FusedNormActConv(torch.autograd.Function):
             [0] * (x.dim() - 2),
             conv.groups,
         )
-        grad_out = grad_out.contiguous()
         z = _rebuild(x, mean, invstd, weight, bias, prelu, spec)
+        cl = channels_last(z, conv_weight)
+        if cl:  # as in forward: no padded blocked copies of z, grad_out or grad_z
+            z = _to_channels_last(z)
+            grad_out = grad_out.contiguous(memory_format=_CL)
+            conv_weight = conv_weight.contiguous(memory_format=_CL)
+        else:
+            grad_out = grad_out.contiguous()
         _, grad_cw, grad_cb = torch.ops.aten.convolution_backward(
             grad_out, z, conv_weight, bias_sizes, *args,
             [False, ctx.needs_input_grad[4], ctx.has_conv_bias and ctx.needs_input_grad[5]],
         )  # fmt: skip
+        # The input gradient reads only the input's shape (z's), not the map itself.
+        shape_only = z if cl else x
         del z
-        # The input gradient reads only the input's shape (x has z's), not the map itself.
         grad_z = torch.ops.aten.convolution_backward(
-            grad_out, x, conv_weight, None, *args, [True, False, False]
-        )[0].contiguous()
+            grad_out, shape_only, conv_weight, None, *args, [True, False, False]
+        )[0]
+        del grad_out, shape_only
+        grad_z = grad_z.contiguous()
+        if grad_cw is not None:
+            grad_cw = grad_cw.contiguous()
         # grad_z is ours alone: the norm backward writes dx over it.
         dweight, dbias, dprelu = ops_for(x).backward(
             x, grad_z, mean, invstd, weight, bias, norm, spec.num_groups, act, spec.param, prelu,
@@ -258,6 +280,24 @@ class FusedNormActConv(torch.autograd.Function):
             grad_cb,
             *(None,) * 6,
         )
+
+
+_CL = torch.channels_last_3d
+# oneDNN on x86 convolves in blocks of 16 channels (AVX-512; 8 on AVX2): a plain-layout input with
+# fewer channels is copied into a padded blocked buffer (2x the map for 8 channels, in forward and
+# again for z, grad_out and grad_z in backward), and its 8-channel kernels ran 6x slower than the
+# channels-last ones here (docs/design.md). Channels-last inputs are convolved without that copy.
+CL_MAX_CHANNELS = 15
+
+
+def channels_last(z: torch.Tensor, conv_weight: torch.Tensor) -> bool:
+    """Whether the fused conv runs channels-last: a 3D CPU convolution with a narrow (< 16) input."""
+    return z.dim() == 5 and z.device.type == "cpu" and conv_weight.shape[1] <= CL_MAX_CHANNELS
+
+
+def _to_channels_last(z: torch.Tensor) -> torch.Tensor:
+    """``z`` in channels-last layout; the plain copy is freed on return (the caller holds no other)."""
+    return z.contiguous(memory_format=_CL)
 
 
 def _rebuild(x, mean, invstd, weight, bias, prelu, spec) -> torch.Tensor:

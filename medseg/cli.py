@@ -213,6 +213,7 @@ def _bench_memory(args: argparse.Namespace) -> None:
         budget_gb=args.budget_gb,
         verify=args.verify,
         variants=tuple(args.variants) if args.variants else None,
+        steps=args.steps,
     )
     _report(result, args, write_report, format_table, check_targets)
 
@@ -401,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--verify", action="store_true", help="measure each variant at its predicted largest patch"
     )
+    s.add_argument("--steps", type=int, default=5, help="timed steps per variant (median reported)")
     s.set_defaults(func=_bench_memory)
 
     sites = sub.add_parser(

@@ -95,6 +95,30 @@ def test_fused_equals_torch_modules(norm, backend, device):
             torch.testing.assert_close(got, e, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("channels_last", [True, False], ids=["channels-last", "plain"])
+def test_norm_act_conv_on_narrow_input_equals_torch_modules(channels_last, monkeypatch):
+    """SegResNet's 8-channel full-resolution triple, float32: both conv layouts give the modules' values."""
+    from medseg.kernels import functions
+
+    if not channels_last:
+        monkeypatch.setattr(functions, "CL_MAX_CHANNELS", 0)
+    torch.manual_seed(0)
+    n, a, conv = nn.GroupNorm(4, 8), nn.ReLU(), nn.Conv3d(8, 6, 3, padding=1, bias=True)
+    x = torch.randn(2, 8, 9, 10, 11, requires_grad=True)
+    assert functions.channels_last(x, conv.weight) is channels_last
+    g = torch.randn(2, 6, 9, 10, 11)
+    params = [x, *n.parameters(), *conv.parameters()]
+    expected_out = conv(a(n(x)))
+    expected = torch.autograd.grad(expected_out, params, g)
+    out = norm_act_conv(x, n, a, conv, describe(n, a))
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+    for e, got in zip(expected, torch.autograd.grad(out, params, g)):
+        assert got.is_contiguous()
+        # float32 sums in another order: within 1e-5 of each gradient's own scale
+        torch.testing.assert_close(got, e, rtol=1e-4, atol=1e-5 * float(e.abs().max()))
+
+
 def test_batchnorm_running_stats_and_eval_mode(backend):
     n, a = _layer("batch", "leaky_relu")
     ref = copy.deepcopy(n)
