@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -51,14 +53,54 @@ def app_env(runs: Sequence[str | Path]) -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGTERM it when its parent dies (PR_SET_PDEATHSIG).
+
+    Signal forwarding covers SIGTERM and SIGINT; this covers a parent killed with SIGKILL.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: forwarding still applies
+        pass
+
+
 def serve(runs: Sequence[str | Path], port: int) -> None:
-    """Run the viewer until interrupted; a Streamlit failure (port taken, ...) is a MedsegError."""
+    """Run the viewer until interrupted; a Streamlit failure (port taken, ...) is a MedsegError.
+
+    SIGTERM and SIGINT sent to ``medseg app`` are passed on to the Streamlit server, which is then
+    waited for, so stopping the command stops the server (no orphan keeps the port).
+    """
     missing = [str(r) for r in runs if not Path(r).is_dir()]
     if missing:
         raise MedsegError(
             f"{', '.join(missing)}: no such folder; give --runs a folder that holds run folders"
         )
     log.info("viewer on http://localhost:%d (models from %s)", port, ", ".join(str(r) for r in runs))
-    code = subprocess.call(streamlit_command(port), env=app_env(runs))
-    if code not in (0, -2, 130):  # -2/130: stopped with Ctrl-C
+    proc = subprocess.Popen(streamlit_command(port), env=app_env(runs), preexec_fn=_die_with_parent)
+    stopping: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        stopping.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            code = proc.wait()
+        except BaseException:
+            proc.terminate()
+            raise
+        finally:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stopping:
+        return
+    if code not in (0, -2, -15, 130, 143):  # stopped with Ctrl-C or SIGTERM
         raise MedsegError(f"streamlit stopped with status {code} (is port {port} already in use? try --port)")

@@ -61,7 +61,7 @@ def errors(at: AppTest) -> list[str]:
 
 
 def upload_files(at: AppTest, files: list[tuple[str, bytes]]) -> AppTest:
-    at.file_uploader(key="upload").set_value([(n, d, "application/octet-stream") for n, d in files])
+    at.file_uploader[0].set_value([(n, d, "application/octet-stream") for n, d in files])
     return at.run()
 
 
