@@ -222,6 +222,12 @@ def input_section(info: ModelInfo) -> dict[str, Any] | None:
     return loaded if loaded and loaded.get("image") is not None else None
 
 
+def download_names(case: str, model: str) -> dict[str, str]:
+    """Download file names: case, then model, so two cases or two models never overwrite each other."""
+    stem = f"{upload.safe_stem(case)}-{upload.safe_stem(model)}"
+    return {"mask": f"{stem}-mask.nii.gz", "seg": f"{stem}-seg.dcm"}
+
+
 def _dicom_seg(
     result: Result, loaded: dict[str, Any], bundle: Bundle, info: ModelInfo
 ) -> tuple[bytes | None, str | None, str | None]:
@@ -286,7 +292,7 @@ def model_section(info: ModelInfo, loaded: dict[str, Any]) -> Result | None:
         "dicom_seg": dicom_seg,
         "dicom_seg_problem": seg_problem,
         "dicom_seg_note": seg_note,
-        "case": loaded["case"],
+        "names": download_names(loaded["case"], info.name),
     }
     if labels_view is not None:
         centre = render.label_centre(labels_view)
@@ -391,7 +397,7 @@ def results_panel(info: ModelInfo, stored: dict[str, Any], warnings: list[str]) 
     st.download_button(
         "Download mask (NIfTI, original geometry)",
         data=stored["mask"],
-        file_name=f"{stored['case']}-{upload.safe_stem(result.model)}-mask.nii.gz",
+        file_name=stored["names"]["mask"],
         mime="application/gzip",
         key="download",
         on_click="ignore",
@@ -400,7 +406,7 @@ def results_panel(info: ModelInfo, stored: dict[str, Any], warnings: list[str]) 
         st.download_button(
             "Download DICOM-SEG (references the uploaded series)",
             data=stored["dicom_seg"],
-            file_name=f"{stored['case']}-{upload.safe_stem(result.model)}-seg.dcm",
+            file_name=stored["names"]["seg"],
             mime="application/dicom",
             key="download_seg",
             on_click="ignore",

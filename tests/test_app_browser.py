@@ -53,6 +53,19 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
     pytest.fail(f"medseg app did not answer on {url} in {START_TIMEOUT} s:\n{log.read_text()[-3000:]}")
 
 
+def child_pids(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 @pytest.fixture
 def server(seg_run, tmp_path: Path):
     """``medseg app`` (the CLI) serving a runs folder that holds the tiny segmentation model."""
@@ -67,15 +80,21 @@ def server(seg_run, tmp_path: Path):
             stderr=subprocess.STDOUT,
         )
     url = f"http://localhost:{port}"
+    children: list[int] = []
     try:
         wait_healthy(url, proc, log)
+        children = child_pids(proc.pid)
         yield url
     finally:
-        proc.terminate()
+        proc.terminate()  # SIGTERM: medseg app passes it on to its Streamlit server
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+    deadline = time.time() + 10
+    while any(alive(c) for c in children) and time.time() < deadline:
+        time.sleep(0.2)
+    assert children and not any(alive(c) for c in children), "the Streamlit server outlived medseg app"
 
 
 @pytest.fixture
