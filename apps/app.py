@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from medseg.apps import render, trust, upload
+from medseg.apps import render, trust, upload, viewport
 from medseg.apps.export import dicom_seg_export, mask_nifti_bytes
 from medseg.apps.inference import Result, run_model
 from medseg.apps.messages import problem as _problem
@@ -275,6 +275,13 @@ def model_section(info: ModelInfo, loaded: dict[str, Any]) -> Result | None:
             else None
         )
         mask = mask_nifti_bytes(result.prediction.label) if result.prediction.label is not None else None
+        labels_nifti = (
+            viewport.nifti_bytes(
+                result.prediction.label[0].numpy(), result.prediction.label.affine.numpy(), True
+            )
+            if result.prediction.label is not None
+            else None
+        )
     except Exception as e:  # noqa: BLE001 - a bad input or model is a message, not a crash
         bar.empty()
         st.error(_problem(e))
@@ -293,6 +300,8 @@ def model_section(info: ModelInfo, loaded: dict[str, Any]) -> Result | None:
         "dicom_seg_problem": seg_problem,
         "dicom_seg_note": seg_note,
         "names": download_names(loaded["case"], info.name),
+        "labels_nifti": labels_nifti,
+        "labels_id": viewport.digest(labels_nifti) if labels_nifti is not None else "none",
     }
     if labels_view is not None:
         centre = render.label_centre(labels_view)
@@ -330,9 +339,18 @@ def display_controls(loaded: dict[str, Any]) -> tuple[float, float, float, bool]
     return float(level), float(width), float(opacity), crosshair
 
 
-def viewer(loaded: dict[str, Any], labels: np.ndarray | None) -> None:
+INTERACTIVE, STATIC = "Interactive (WebGL)", "Static panels"
+
+
+def static_panels(
+    loaded: dict[str, Any],
+    labels: np.ndarray | None,
+    level: float,
+    width: float,
+    opacity: float,
+    crosshair: bool,
+) -> None:
     """Three linked panels: each slider moves its plane and the crosshair lines in the other two."""
-    level, width, opacity, crosshair = display_controls(loaded)
     view: render.ViewVolume = loaded["view"]
     sizes = dict(zip("xyz", view.shape, strict=True))
     panels = (("axial", "z"), ("coronal", "y"), ("sagittal", "x"))
@@ -352,6 +370,49 @@ def viewer(loaded: dict[str, Any], labels: np.ndarray | None) -> None:
         "Radiological convention: the patient's right is on the left in axial and coronal views; "
         "anterior is on the left in the sagittal view. Pixels are scaled to millimetres."
     )
+
+
+def viewer(loaded: dict[str, Any], stored: dict[str, Any] | None, info: ModelInfo) -> None:
+    """The NiiVue viewport, or the static panels where WebGL (or the vendored viewer) is missing.
+
+    The browser reports whether WebGL 2 works once the viewport starts; until it has (and in
+    AppTest, which runs no JavaScript) the static panels are drawn as well.
+    """
+    level, width, opacity, crosshair = display_controls(loaded)
+    labels = stored["labels_view"] if stored is not None else None
+    mode = st.sidebar.radio("Viewer", [INTERACTIVE, STATIC], key="viewer_mode", horizontal=True)
+    show_static = mode == STATIC
+    if mode == INTERACTIVE and not viewport.available():
+        st.info("The interactive viewer is not part of this installation; showing static panels.")
+        show_static = True
+    elif mode == INTERACTIVE:
+        if "nifti" not in loaded:
+            image = loaded["image"]
+            loaded["nifti"] = viewport.nifti_bytes(image[0].numpy(), image.affine.numpy())
+            loaded["nifti_id"] = viewport.digest(loaded["nifti"])
+        lab_bytes, lab_id = None, "none"
+        if stored is not None and stored.get("labels_nifti") is not None:
+            lab_bytes, lab_id = stored["labels_nifti"], stored["labels_id"]
+        reported = viewport.viewport(
+            loaded["nifti"],
+            loaded["nifti_id"],
+            lab_bytes,
+            lab_id,
+            viewport.label_info(info.labels) if lab_bytes is not None else [],
+            level,
+            width,
+            opacity,
+        )
+        if reported is None:
+            show_static = True  # until the browser says whether WebGL works
+        elif not reported.get("webgl", False):
+            st.warning(
+                "This browser cannot run WebGL, so the interactive viewer is off: these are static "
+                "panels (no zoom, no click-to-crosshair)."
+            )
+            show_static = True
+    if show_static:
+        static_panels(loaded, labels, level, width, opacity, crosshair)
 
 
 def metadata_panel(loaded: dict[str, Any]) -> None:
@@ -458,7 +519,7 @@ def main() -> None:
         if stored is not None:
             results_panel(info, stored, warnings)
     with top[0]:
-        viewer(loaded, stored["labels_view"] if stored is not None else None)
+        viewer(loaded, stored, info)
     st.caption("Research use only; not for clinical decisions.")
 
 

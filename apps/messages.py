@@ -19,6 +19,11 @@ log = logging.getLogger(__name__)
 # (pattern, replacement): command-line advice in library messages -> advice for the page
 _ADVICE: tuple[tuple[str, str], ...] = (
     (
+        r"This reader will not silently average the spacing \(unlike MONAI's PydicomReader\); "
+        r"pass resample=True \(CLI --resample\) to interpolate onto a regular grid, or supply the complete series",
+        "The viewer does not fill in missing slices; upload the complete series",
+    ),
+    (
         r"pass resample=True \(CLI --resample\) to interpolate onto a regular grid, or supply the complete series",
         "upload the complete series",
     ),

@@ -454,7 +454,7 @@ def test_replace_upload_names_uids_messages_and_trust(
 def test_app_command_stops_its_streamlit_server_on_ctrl_c(tmp_path) -> None:
     """``medseg app`` stopped with SIGINT takes its Streamlit child with it (SIGTERM: the browser test's fixture)."""
     signum = signal.SIGINT
-    from tests.test_app_browser import alive, child_pids, free_port, wait_healthy
+    from tests.browser import alive, child_pids, free_port, wait_healthy
 
     port, log = free_port(), tmp_path / "app.log"
     with open(log, "wb") as out:
