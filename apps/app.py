@@ -396,6 +396,7 @@ def viewer(loaded: dict[str, Any], stored: dict[str, Any] | None, info: ModelInf
         reported = viewport.viewport(
             loaded["nifti"],
             loaded["nifti_id"],
+            loaded["image"].affine.numpy(),
             lab_bytes,
             lab_id,
             viewport.label_info(info.labels) if lab_bytes is not None else [],

@@ -66,6 +66,7 @@ def label_info(labels: dict[int, str]) -> list[dict[str, Any]]:
 def viewport(
     volume: bytes,
     volume_id: str,
+    affine: np.ndarray,
     labels: bytes | None,
     labels_id: str,
     labels_meta: list[dict[str, Any]],
@@ -77,12 +78,15 @@ def viewport(
 ) -> dict[str, Any] | None:
     """Draw the viewport; returns what the browser reported ({"webgl": bool, ...}), None before it has.
 
+    ``affine`` is the scan's (the one in its NIfTI bytes): the readout gives the file's own voxel
+    indices, ``round(inv(affine) @ mm)``, not NiiVue's RAS-reordered ones.
     ``volume_id`` and ``labels_id`` name the bytes (:func:`digest`): the browser reloads a volume
     only when its id changes, so reruns that only move a control do not reload the scan.
     """
     return _component(
         volume=volume,
         volume_id=volume_id,
+        affine=np.asarray(affine, dtype=np.float64).tolist(),
         labels=labels,
         labels_id=labels_id,
         label_info=labels_meta,

@@ -145,7 +145,7 @@ class Viewport:
     def location(self) -> dict:
         return self.js(
             "const l = window.medsegViewport.location; if (!l) return null;"
-            "return {mm: Array.from(l.values[0].mm), vox: Array.from(l.values[0].vox), value: l.values[0].value,"
+            "return {mm: Array.from(l.values[0].mm).slice(0, 3), vox: l.storedVox, value: l.values[0].value,"
             " label: l.values.length > 1 ? l.values[1].value : null, text: document.getElementById('readout').textContent,"
             " ras: Array.from(window.medsegViewport.nv.frac2vox(window.medsegViewport.nv.scene.crosshairPos))};"
         )

@@ -141,7 +141,7 @@ def test_viewer_in_chromium(server, browser, seg_run, seg_data, tmp_path: Path) 
         shutil.copy(tmp_path / "viewer.png", keep / "viewer.png")
     body = body_text(browser)
     assert "Traceback" not in body and "Error" not in body
-    assert "WebGL" not in body  # the interactive viewport is on, not the static fallback
+    assert "cannot run WebGL" not in body  # the interactive viewport is on, not the static fallback
 
     rows = browser.find_elements(By.CSS_SELECTOR, "[data-testid='stTable'] tbody tr")
     cells = [[c.text for c in r.find_elements(By.CSS_SELECTOR, "td,th")] for r in rows]
@@ -163,8 +163,8 @@ def test_viewer_in_chromium(server, browser, seg_run, seg_data, tmp_path: Path) 
         assert loc["value"] == pytest.approx(float(data[tuple(vox)]), abs=0.5)
         assert loc["label"] == mask[tuple(vox)]
         points.append(loc["mm"])
-    # radiological convention: the left of the axial tile is the patient's right (smaller R)
-    assert points[0][0] < points[1][0]
+    # radiological convention: the left of the axial tile is the patient's right (larger RAS x)
+    assert points[0][0] > points[1][0]
 
     # wheel: one slice per step along the axial normal (RAS voxel z)
     x, y = left + 0.5 * width, top + 0.5 * height

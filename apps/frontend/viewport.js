@@ -27,11 +27,28 @@
 
   function fmt(v, d) { return (Math.round(v * 10 ** d) / 10 ** d).toFixed(d); }
 
+  // voxel (i, j, k) of the file as stored, from a world position: inverse of the scan's affine
+  function storedVoxel(mm) {
+    const a = state.affine;
+    if (!a) return null;
+    const m = [[a[0][0], a[0][1], a[0][2]], [a[1][0], a[1][1], a[1][2]], [a[2][0], a[2][1], a[2][2]]];
+    const det = m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0]) +
+      m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]);
+    const inv = [
+      [(m[1][1] * m[2][2] - m[1][2] * m[2][1]) / det, (m[0][2] * m[2][1] - m[0][1] * m[2][2]) / det, (m[0][1] * m[1][2] - m[0][2] * m[1][1]) / det],
+      [(m[1][2] * m[2][0] - m[1][0] * m[2][2]) / det, (m[0][0] * m[2][2] - m[0][2] * m[2][0]) / det, (m[0][2] * m[1][0] - m[0][0] * m[1][2]) / det],
+      [(m[1][0] * m[2][1] - m[1][1] * m[2][0]) / det, (m[0][1] * m[2][0] - m[0][0] * m[2][1]) / det, (m[0][0] * m[1][1] - m[0][1] * m[1][0]) / det],
+    ];
+    const d = [mm[0] - a[0][3], mm[1] - a[1][3], mm[2] - a[2][3]];
+    return inv.map((row) => Math.round(row[0] * d[0] + row[1] * d[1] + row[2] * d[2]));
+  }
+
   function showLocation(data) {
     state.location = data;
     const vals = data.values || [];
     const mm = vals.length ? vals[0].mm : data.mm;
-    const vox = vals.length ? vals[0].vox : data.vox;
+    data.storedVox = storedVoxel(mm); // NiiVue's own voxel indices are in its RAS-reordered copy
+    const vox = data.storedVox || (vals.length ? vals[0].vox : data.vox);
     let text = `RAS ${fmt(mm[0], 1)}, ${fmt(mm[1], 1)}, ${fmt(mm[2], 1)} mm   voxel ${vox.map(Math.round).join(", ")}`;
     if (vals.length) text += `   intensity ${fmt(vals[0].value, 1)}`;
     if (vals.length > 1) {
@@ -190,6 +207,7 @@
     }
     if (state.error) return;
     const nv = state.nv;
+    state.affine = args.affine;
     if (args.volume_id !== state.volumeId) {
       while (nv.volumes.length) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
       const img = await niivue.NVImage.loadFromUrl({ url: "scan.nii", name: "scan.nii", buffer: arrayBuffer(args.volume) });
