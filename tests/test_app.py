@@ -411,6 +411,7 @@ def test_replace_upload_names_uids_messages_and_trust(
     warned = "\n".join(str(w.value) for w in at.warning)
     assert "trained on synthetic images (SynthCT)" in warned
     assert "do not look like CT in Hounsfield units" in warned
+    assert "of the voxels lie in the model's input window (-150 … 250)" in warned
     assert "Voxel size 2 × 2 × 2 mm differs more than 2× from the training images" in warned
     assert "Field of view" in warned and "front-back" in warned
     assert any(s.label.startswith("Display window / level (screen only)") for s in at.selectbox)
@@ -436,6 +437,14 @@ def test_replace_upload_names_uids_messages_and_trust(
     assert "newly generated UIDs" in notes and "SOPInstanceUID" in notes
     seg = hd.seg.segread(io.BytesIO(stored["dicom_seg"]))
     assert [d.SegmentLabel for d in seg.SegmentSequence] == ["organ", "lesion"]
+    refs = [r for s in seg.ReferencedSeriesSequence for r in s.ReferencedInstanceSequence]
+    uids = [
+        seg.StudyInstanceUID,
+        seg.FrameOfReferenceUID,
+        *[s.SeriesInstanceUID for s in seg.ReferencedSeriesSequence],
+    ]
+    uids += [r.ReferencedSOPInstanceUID for r in refs]
+    assert len(refs) == expected["image"].shape[3] and all(pydicom.uid.UID(u).is_valid for u in uids), uids
     label = stored["result"].prediction.label[0].numpy()
     assert int(seg.pixel_array.astype(bool).sum()) == int((label > 0).sum()) > 0
     # downloads are named after the case and the model
