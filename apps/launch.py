@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from medseg.errors import MedsegError
 log = logging.getLogger(__name__)
 
 APP_PAGE = Path(__file__).with_name("app.py")
+STOP_GRACE_S = 10.0  # after SIGTERM/SIGINT, how long the Streamlit server may take before it is killed
 
 
 def streamlit_command(port: int, address: str = "localhost") -> list[str]:
@@ -68,7 +70,8 @@ def serve(runs: Sequence[str | Path], port: int) -> None:
     """Run the viewer until interrupted; a Streamlit failure (port taken, ...) is a MedsegError.
 
     SIGTERM and SIGINT sent to ``medseg app`` are passed on to the Streamlit server, which is then
-    waited for, so stopping the command stops the server (no orphan keeps the port).
+    waited for (and killed after ``STOP_GRACE_S``), so stopping the command stops the server (no
+    orphan keeps the port).
     """
     missing = [str(r) for r in runs if not Path(r).is_dir()]
     if missing:
@@ -77,26 +80,27 @@ def serve(runs: Sequence[str | Path], port: int) -> None:
         )
     log.info("viewer on http://localhost:%d (models from %s)", port, ", ".join(str(r) for r in runs))
     proc = subprocess.Popen(streamlit_command(port), env=app_env(runs), preexec_fn=_die_with_parent)
-    stopping: list[int] = []
+    stopping: list[float] = []
 
     def forward(signum: int, frame: object) -> None:
-        stopping.append(signum)
+        stopping.append(time.monotonic())
         if proc.poll() is None:
             proc.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        try:
-            code = proc.wait()
-        except BaseException:
-            proc.terminate()
-            raise
-        finally:
+        while True:
             try:
-                proc.wait(timeout=15)
+                code = proc.wait(timeout=0.5)
+                break
             except subprocess.TimeoutExpired:
+                # a server busy in a model run may not stop at once: kill it after STOP_GRACE_S
+                if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:
+                    proc.kill()
+            except BaseException:
                 proc.kill()
                 proc.wait()
+                raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -37,7 +37,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.browser import RESULT_TIMEOUT, Viewport, chrome, free_port, wait_healthy  # noqa: E402
+import tests.browser as tb  # noqa: E402
+from tests.browser import Viewport, chrome, free_port, wait_healthy  # noqa: E402
+
+RESULT_TIMEOUT = tb.RESULT_TIMEOUT = 1200  # a loaded shared machine can be slow; this measures, it does not gate
 
 TARGETS = {"scroll_ms": 50.0, "click_ms": 100.0, "first_paint_s": 5.0, "segment_s": 30.0}
 MARK, END = "<!-- bench:viewer -->", "<!-- /bench:viewer -->"
