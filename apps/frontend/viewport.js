@@ -170,6 +170,8 @@
       show3Dcrosshair: true,
       multiplanarShowRender: 1, // always: three planes and the 3D render
       dragMode: 9, // right-drag: windowing (horizontal: width, vertical: level)
+      // left: crosshair, right: windowing, middle: pan (NiiVue's DRAG_MODE numbers)
+      mouseEventConfig: { leftButton: { primary: 8 }, rightButton: 9, centerButton: 3 },
       isForceMouseClickToVoxelCenters: true, // the crosshair sits on a voxel: its mm is affine × voxel
       isResizeCanvas: true,
       loadingText: "loading the scan…",
