@@ -6,10 +6,24 @@ MEDSEG := $(BIN)/medseg
 # The CPU build on this machine's disk; a CUDA machine can pass e.g. TORCH="torch==2.13.0 --index-url ...".
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.medseg-setup
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test bench lint app browser sites-deps dicom-deps
+.PHONY: setup demo test bench lint app browser sites-deps dicom-deps vendor
 
-setup: $(STAMP)
+setup: $(STAMP) vendor
+
+# The viewer's WebGL viewport: NiiVue's prebuilt browser bundle, taken from the npm registry's
+# package (npm pack checks the tarball against the registry's integrity hash) into the Python
+# package, so the page loads it from the viewer's own server and never from a CDN. Git-ignored.
+NIIVUE_VERSION := 0.69.0
+NIIVUE_JS := apps/frontend/niivue.umd.js
+vendor: $(NIIVUE_JS)
+$(NIIVUE_JS):
+	command -v npm >/dev/null || ($(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q npm)
+	rm -rf build/niivue && mkdir -p build/niivue
+	cd build/niivue && npm pack --silent @niivue/niivue@$(NIIVUE_VERSION) >/dev/null && tar xzf niivue-niivue-$(NIIVUE_VERSION).tgz
+	test "$$(node -p 'require("./build/niivue/package/package.json").license')" = BSD-2-Clause
+	cp build/niivue/package/dist/niivue.umd.js $@.tmp && mv $@.tmp $@
 
 # Re-runs only when pyproject.toml changes; a second `make setup` takes seconds.
 $(STAMP): pyproject.toml scripts/build_horovod.sh
@@ -46,7 +60,6 @@ app: setup
 	$(MEDSEG) app --runs $(or $(RUNS),runs) --port $(or $(PORT),8501)
 
 # Debian's chromium and its driver, for the real-browser viewer test (as root in CI, else with sudo).
-SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 browser:
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	  ($(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver)

@@ -17,12 +17,12 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from medseg.apps import render, upload
-from medseg.apps.export import mask_dicom_seg_bytes, mask_nifti_bytes
+from medseg.apps import render, trust, upload, viewport
+from medseg.apps.export import dicom_seg_export, mask_nifti_bytes
 from medseg.apps.inference import Result, run_model
+from medseg.apps.messages import problem as _problem
 from medseg.apps.registry import ModelInfo, default_folders, demo_cases, list_models
 from medseg.bundle import Bundle, load_bundle
-from medseg.errors import MedsegError
 
 log = logging.getLogger("medseg.apps")
 
@@ -41,12 +41,15 @@ def cached_models(folders: tuple[str, ...]) -> tuple[list[ModelInfo], list[str]]
     return list_models(list(folders))
 
 
-def _problem(e: BaseException) -> str:
-    """A message for the page: medseg's own, or the exception's type and text (never a traceback)."""
-    if isinstance(e, MedsegError):
-        return str(e)
-    log.exception("unexpected error in the viewer")
-    return f"{type(e).__name__}: {e}"
+@st.cache_data(ttl=60, show_spinner=False)
+def _facts(bundle: str, mtime: float, _info: ModelInfo) -> trust.TrainingFacts:
+    del bundle, mtime  # the cache key only
+    return trust.training_facts(_info)
+
+
+def cached_facts(info: ModelInfo) -> trust.TrainingFacts:
+    """The training-set facts of a model, read once a minute at most (headers of its training images)."""
+    return _facts(str(info.bundle), info.mtime, info)
 
 
 def sidebar_models() -> ModelInfo | None:
@@ -62,8 +65,8 @@ def sidebar_models() -> ModelInfo | None:
         st.sidebar.warning(p)
     if not models:
         st.sidebar.error(
-            f"No trained models in {', '.join(folders)}. Train one with `medseg train`, "
-            "or name a folder that holds a bundle."
+            "No trained models were found in the model folders. Type the folder of a trained model "
+            "(or of several) into 'Another model folder' above."
         )
         return None
     by_path = {str(m.bundle): m for m in models}
@@ -72,10 +75,13 @@ def sidebar_models() -> ModelInfo | None:
     labels = ", ".join(f"{k}: {v}" for k, v in sorted(info.labels.items()))
     st.sidebar.markdown(
         f"**Task** {info.task} ({info.network})  \n**Labels** {labels}  \n"
-        f"**Input spacing** {' × '.join(f'{s:g}' for s in info.spacing)} mm  \n"
+        f"**Trained on** {info.modality or 'images'}, resampled to "
+        f"{' × '.join(f'{s:g}' for s in info.spacing)} mm  \n"
         f"**Patch** {' × '.join(str(p) for p in info.patch)}  \n"
-        f"**Window** {info.window[0]:g} … {info.window[1]:g}"
+        f"**Model input window** {info.window[0]:g} … {info.window[1]:g} "
+        "(fixed by training; the display window below does not change it)"
     )
+    facts = cached_facts(info)
     if info.metrics:
         st.sidebar.caption("Validation metrics")
         st.sidebar.table(
@@ -87,6 +93,9 @@ def sidebar_models() -> ModelInfo | None:
             ),
             hide_index=True,
         )
+        st.sidebar.caption(trust.metrics_source(info, facts))
+    for line in trust.evaluation_lines(info):
+        st.sidebar.caption(f"Evaluated on {line}")
     return info
 
 
@@ -95,12 +104,13 @@ def _reset_view(view: render.ViewVolume) -> None:
         st.session_state[f"pos_{axis}"] = n // 2
 
 
-def _store_image(key: Any, image: Any, source: str, headers: list | None = None) -> None:
+def _store_image(key: Any, image: Any, source: str, case: str, headers: list | None = None) -> None:
     view = render.to_view(image[0].numpy(), image.affine.numpy())
     st.session_state["loaded"] = {
         "key": key,
         "image": image,
         "source": source,
+        "case": case,
         "view": view,
         "info": upload.describe(image, source),
         "headers": headers,
@@ -115,58 +125,85 @@ def _store_error(key: Any, message: str) -> None:
     st.session_state.pop("result", None)
 
 
+def _take_upload(limit: int) -> None:
+    """The file picker; a new upload replaces the case.
+
+    Streamlit's multi-file picker adds a second drop to the first. So once files arrive they are
+    taken out of the picker: their bytes go into the session (``upload_files``) under a new upload
+    number, the picker is drawn again under a new key (empty), and the page reruns. The case is
+    read from the session's copy; the copy is kept only while a series has to be chosen.
+    """
+    gen = int(st.session_state.get("upload_gen", 0))
+    files = st.file_uploader(
+        f"A NIfTI file (.nii, .nii.gz), a zip of a DICOM series folder, or several DICOM files "
+        f"(up to {limit} MB; nothing leaves this machine). A new upload replaces the current case.",
+        accept_multiple_files=True,
+        key=f"upload_{gen}",
+        max_upload_size=limit,
+    )
+    if files:
+        st.session_state["upload_files"] = {
+            "id": gen + 1,
+            "files": [upload.UploadedBytes(f.name, f.getvalue()) for f in files],
+            "case": upload.case_name([f.name for f in files]),
+        }
+        st.session_state["upload_gen"] = gen + 1
+        st.session_state.pop("series", None)
+        st.rerun()
+
+
 def input_section(info: ModelInfo) -> dict[str, Any] | None:
     """Upload or demo case -> the loaded image in session state (loaded once per input)."""
     mode = st.radio("Input", ["Upload", "Demo case"], horizontal=True, key="input_mode")
     loaded = st.session_state.get("loaded")
     if mode == "Upload":
-        limit = upload.max_upload_mb()
-        files = st.file_uploader(
-            f"A NIfTI file (.nii, .nii.gz), a zip of a DICOM series folder, or several DICOM files "
-            f"(up to {limit} MB; nothing leaves this machine)",
-            accept_multiple_files=True,
-            key="upload",
-            max_upload_size=limit,
-        )
-        if not files:
-            return None
-        base = tuple((f.file_id, f.size) for f in files)
-        # several series were found in this upload on an earlier run: the user picks one
-        series = loaded.get("series") if loaded and loaded["key"][0] == base else None
-        uid = None
-        if series:
-            uid = st.selectbox(
-                "This upload holds several series; choose one",
-                [c.uid for c in series],
-                format_func=lambda u: next(c.label for c in series if c.uid == u),
-                key="series",
-            )
-        key = (base, uid)
-        if loaded is None or loaded["key"] != key:
-            with st.spinner("Reading the upload…"):
-                try:
-                    result = upload.read_upload(
-                        [upload.UploadedBytes(f.name, f.getvalue()) for f in files], series_uid=uid
-                    )
-                except Exception as e:  # noqa: BLE001 - shown in the page, the app keeps running
-                    _store_error(key, _problem(e))
-                else:
-                    if result.image is None:  # several series: ask, then read the chosen one
-                        st.session_state["loaded"] = {"key": key, "image": None, "error": None}
-                        series = result.series
-                        st.session_state.pop("series", None)
+        _take_upload(upload.max_upload_mb())
+        pending = st.session_state.get("upload_files")
+        if loaded is not None and loaded["key"][0] != "upload":
+            loaded = None  # a demo case was shown; the upload (if any) comes back
+        if pending is None:
+            if loaded is None:
+                return None
+        else:
+            base = ("upload", pending["id"])
+            # several series were found in this upload on an earlier run: the user picks one
+            series = loaded.get("series") if loaded and loaded["key"][:2] == base else None
+            uid = None
+            if series:
+                uid = st.selectbox(
+                    "This upload holds several series; choose one",
+                    [c.uid for c in series],
+                    format_func=lambda u: next(c.label for c in series if c.uid == u),
+                    key="series",
+                )
+            key = (*base, uid)
+            if (loaded is None or loaded["key"] != key) and not pending["files"]:
+                return None  # read before and replaced by a demo case since: upload it again
+            if loaded is None or loaded["key"] != key:
+                with st.spinner("Reading the upload…"):
+                    try:
+                        result = upload.read_upload(pending["files"], series_uid=uid)
+                    except Exception as e:  # noqa: BLE001 - shown in the page, the app keeps running
+                        _store_error(key, _problem(e))
                     else:
-                        _store_image(key, result.image, result.source, result.headers)
-                        series = series or (result.series if len(result.series) > 1 else None)
-            st.session_state["loaded"]["series"] = series
-            if st.session_state["loaded"]["image"] is None and series and uid is None:
-                st.rerun()
+                        if result.image is None:  # several series: ask, then read the chosen one
+                            st.session_state["loaded"] = {"key": key, "image": None, "error": None}
+                            series = result.series
+                            st.session_state.pop("series", None)
+                        else:
+                            _store_image(key, result.image, result.source, pending["case"], result.headers)
+                            series = series or (result.series if len(result.series) > 1 else None)
+                st.session_state["loaded"]["series"] = series
+                if not series:  # nothing left to choose: the bytes are not needed any more
+                    st.session_state["upload_files"] = {**pending, "files": []}
+                if st.session_state["loaded"]["image"] is None and series and uid is None:
+                    st.rerun()
     else:
         cases = demo_cases(
             info, extra=[p for p in os.environ.get("MEDSEG_APP_DEMO", "").split(os.pathsep) if p]
         )
         if not cases:
-            st.info(f"No demo cases found for {info.name} (looked in its dataset folder {info.data_dir!r}).")
+            st.info(f"No demo cases were found for {info.name} (its dataset folder is not on this machine).")
             return None
         case = st.selectbox(
             "Demo case", [str(c) for c in cases], format_func=lambda p: Path(p).name, key="demo"
@@ -175,7 +212,7 @@ def input_section(info: ModelInfo) -> dict[str, Any] | None:
         if loaded is None or loaded["key"] != key:
             with st.spinner("Reading the case…"):
                 try:
-                    _store_image(key, upload.read_path(case), "NIfTI")
+                    _store_image(key, upload.read_path(case), "NIfTI", upload.case_name([case]))
                 except Exception as e:  # noqa: BLE001
                     _store_error(key, _problem(e))
     loaded = st.session_state.get("loaded")
@@ -183,6 +220,40 @@ def input_section(info: ModelInfo) -> dict[str, Any] | None:
         st.error(loaded["error"])
         return None
     return loaded if loaded and loaded.get("image") is not None else None
+
+
+def download_names(case: str, model: str) -> dict[str, str]:
+    """Download file names: case, then model, so two cases or two models never overwrite each other."""
+    stem = f"{upload.safe_stem(case)}-{upload.safe_stem(model)}"
+    return {"mask": f"{stem}-mask.nii.gz", "seg": f"{stem}-seg.dcm"}
+
+
+def _dicom_seg(
+    result: Result, loaded: dict[str, Any], bundle: Bundle, info: ModelInfo
+) -> tuple[bytes | None, str | None, str | None]:
+    """(DICOM-SEG bytes, why there is none, a note on generated UIDs) for a DICOM upload."""
+    if not loaded.get("headers"):
+        reason = (
+            "its slices were unevenly spaced and were interpolated onto a regular grid, so the mask's "
+            "slices are not the uploaded ones"
+            if loaded["image"].meta.get("resampled")
+            else "not every slice's header could be read again"
+        )
+        return None, f"No DICOM-SEG for this series: {reason}. The NIfTI mask is complete.", None
+    try:
+        export = dicom_seg_export(result.prediction.label, loaded["headers"], bundle.labels, info.name)
+    except Exception as e:  # noqa: BLE001 - the NIfTI export still works
+        return None, f"No DICOM-SEG for this series: {_problem(e)} The NIfTI mask is complete.", None
+    note = None
+    if export.generated:
+        note = (
+            "This series carries no usable "
+            + ", ".join(export.generated)
+            + " (it was probably anonymised). The DICOM-SEG uses newly generated UIDs for them: it "
+            "holds the right slices and geometry, but a PACS will not link it to the series you "
+            "uploaded by UID."
+        )
+    return export.data, None, note
 
 
 def model_section(info: ModelInfo, loaded: dict[str, Any]) -> Result | None:
@@ -204,19 +275,21 @@ def model_section(info: ModelInfo, loaded: dict[str, Any]) -> Result | None:
             else None
         )
         mask = mask_nifti_bytes(result.prediction.label) if result.prediction.label is not None else None
+        labels_nifti = (
+            viewport.nifti_bytes(
+                result.prediction.label[0].numpy(), result.prediction.label.affine.numpy(), True
+            )
+            if result.prediction.label is not None
+            else None
+        )
     except Exception as e:  # noqa: BLE001 - a bad input or model is a message, not a crash
         bar.empty()
         st.error(_problem(e))
         return None
-    dicom_seg, seg_problem = None, None
-    if mask is not None and loaded.get("headers"):
+    dicom_seg, seg_problem, seg_note = None, None, None
+    if mask is not None and loaded["source"] == "DICOM":
         bar.progress(1.0, text="Writing the DICOM-SEG export")
-        try:
-            dicom_seg = mask_dicom_seg_bytes(
-                result.prediction.label, loaded["headers"], bundle.labels, info.name
-            )
-        except Exception as e:  # noqa: BLE001 - the NIfTI export still works
-            seg_problem = f"No DICOM-SEG export for this series: {_problem(e)}"
+        dicom_seg, seg_problem, seg_note = _dicom_seg(result, loaded, bundle, info)
     bar.empty()
     st.session_state["result"] = {
         "key": key,
@@ -225,6 +298,10 @@ def model_section(info: ModelInfo, loaded: dict[str, Any]) -> Result | None:
         "mask": mask,
         "dicom_seg": dicom_seg,
         "dicom_seg_problem": seg_problem,
+        "dicom_seg_note": seg_note,
+        "names": download_names(loaded["case"], info.name),
+        "labels_nifti": labels_nifti,
+        "labels_id": viewport.digest(labels_nifti) if labels_nifti is not None else "none",
     }
     if labels_view is not None:
         centre = render.label_centre(labels_view)
@@ -241,14 +318,20 @@ def display_controls(loaded: dict[str, Any]) -> tuple[float, float, float, bool]
     options = [AUTO, *render.WINDOW_PRESETS, CUSTOM]
     looks_ct = loaded["info"]["modality"] == "CT" or float(view.data.min()) < -500
     preset = st.sidebar.selectbox(
-        "Window / level", options, index=1 if looks_ct else 0, key=f"preset_{looks_ct}"
+        "Display window / level (screen only)",
+        options,
+        index=1 if looks_ct else 0,
+        key=f"preset_{looks_ct}",
+        help="Changes how the scan is shown, not what the model sees (its input window is in the model card).",
     )
     if preset == AUTO:
         level, width = view.auto_window
     elif preset == CUSTOM:
         c1, c2 = st.sidebar.columns(2)
-        level = c1.number_input("Level", value=float(view.auto_window[0]), key="level")
-        width = c2.number_input("Width", value=float(view.auto_window[1]), min_value=1e-3, key="width")
+        level = c1.number_input("Display level", value=float(view.auto_window[0]), key="level")
+        width = c2.number_input(
+            "Display width", value=float(view.auto_window[1]), min_value=1e-3, key="width"
+        )
     else:
         level, width = render.WINDOW_PRESETS[preset]
     opacity = st.sidebar.slider("Overlay opacity", 0.0, 1.0, 0.4, 0.05, key="opacity")
@@ -256,9 +339,18 @@ def display_controls(loaded: dict[str, Any]) -> tuple[float, float, float, bool]
     return float(level), float(width), float(opacity), crosshair
 
 
-def viewer(loaded: dict[str, Any], labels: np.ndarray | None) -> None:
+INTERACTIVE, STATIC = "Interactive (WebGL)", "Static panels"
+
+
+def static_panels(
+    loaded: dict[str, Any],
+    labels: np.ndarray | None,
+    level: float,
+    width: float,
+    opacity: float,
+    crosshair: bool,
+) -> None:
     """Three linked panels: each slider moves its plane and the crosshair lines in the other two."""
-    level, width, opacity, crosshair = display_controls(loaded)
     view: render.ViewVolume = loaded["view"]
     sizes = dict(zip("xyz", view.shape, strict=True))
     panels = (("axial", "z"), ("coronal", "y"), ("sagittal", "x"))
@@ -280,6 +372,50 @@ def viewer(loaded: dict[str, Any], labels: np.ndarray | None) -> None:
     )
 
 
+def viewer(loaded: dict[str, Any], stored: dict[str, Any] | None, info: ModelInfo) -> None:
+    """The NiiVue viewport, or the static panels where WebGL (or the vendored viewer) is missing.
+
+    The browser reports whether WebGL 2 works once the viewport starts; until it has (and in
+    AppTest, which runs no JavaScript) the static panels are drawn as well.
+    """
+    level, width, opacity, crosshair = display_controls(loaded)
+    labels = stored["labels_view"] if stored is not None else None
+    mode = st.sidebar.radio("Viewer", [INTERACTIVE, STATIC], key="viewer_mode", horizontal=True)
+    show_static = mode == STATIC
+    if mode == INTERACTIVE and not viewport.available():
+        st.info("The interactive viewer is not part of this installation; showing static panels.")
+        show_static = True
+    elif mode == INTERACTIVE:
+        if "nifti" not in loaded:
+            image = loaded["image"]
+            loaded["nifti"] = viewport.nifti_bytes(image[0].numpy(), image.affine.numpy())
+            loaded["nifti_id"] = viewport.digest(loaded["nifti"])
+        lab_bytes, lab_id = None, "none"
+        if stored is not None and stored.get("labels_nifti") is not None:
+            lab_bytes, lab_id = stored["labels_nifti"], stored["labels_id"]
+        reported = viewport.viewport(
+            loaded["nifti"],
+            loaded["nifti_id"],
+            loaded["image"].affine.numpy(),
+            lab_bytes,
+            lab_id,
+            viewport.label_info(info.labels) if lab_bytes is not None else [],
+            level,
+            width,
+            opacity,
+        )
+        if reported is None:
+            show_static = True  # until the browser says whether WebGL works
+        elif not reported.get("webgl", False):
+            st.warning(
+                "This browser cannot run WebGL, so the interactive viewer is off: these are static "
+                "panels (no zoom, no click-to-crosshair)."
+            )
+            show_static = True
+    if show_static:
+        static_panels(loaded, labels, level, width, opacity, crosshair)
+
+
 def metadata_panel(loaded: dict[str, Any]) -> None:
     with st.expander("Image metadata (no patient identifiers are shown)", expanded=False):
         st.table(
@@ -288,9 +424,14 @@ def metadata_panel(loaded: dict[str, Any]) -> None:
         )
 
 
-def results_panel(info: ModelInfo, stored: dict[str, Any]) -> None:
+def results_panel(info: ModelInfo, stored: dict[str, Any], warnings: list[str]) -> None:
     result: Result = stored["result"]
     st.caption(f"{result.model} answered in {result.seconds:.1f} s")
+    if warnings:
+        st.warning(
+            f"This input lies outside what {result.model} was trained on ({len(warnings)} warning(s) "
+            "above): do not rely on this result."
+        )
     if result.task == "classification":
         probs = result.prediction.probabilities or {}
         best = max(probs, key=probs.get)
@@ -318,7 +459,7 @@ def results_panel(info: ModelInfo, stored: dict[str, Any]) -> None:
     st.download_button(
         "Download mask (NIfTI, original geometry)",
         data=stored["mask"],
-        file_name=f"{result.model}-mask.nii.gz",
+        file_name=stored["names"]["mask"],
         mime="application/gzip",
         key="download",
         on_click="ignore",
@@ -327,13 +468,39 @@ def results_panel(info: ModelInfo, stored: dict[str, Any]) -> None:
         st.download_button(
             "Download DICOM-SEG (references the uploaded series)",
             data=stored["dicom_seg"],
-            file_name=f"{result.model}-seg.dcm",
+            file_name=stored["names"]["seg"],
             mime="application/dicom",
             key="download_seg",
             on_click="ignore",
         )
+        if stored.get("dicom_seg_note"):
+            st.info(stored["dicom_seg_note"])
     elif stored.get("dicom_seg_problem"):
         st.warning(stored["dicom_seg_problem"])
+
+
+def trust_section(info: ModelInfo, loaded: dict[str, Any]) -> list[str]:
+    """Warnings where this input lies outside what the model was trained on (kept per image and model)."""
+    key = (loaded["key"], str(info.bundle), info.mtime)
+    kept = st.session_state.get("trust")
+    if not kept or kept["key"] != key:
+        facts = cached_facts(info)
+        image = loaded["image"]
+        warnings = trust.input_warnings(
+            info,
+            facts,
+            image[0].numpy(),
+            image.affine.numpy(),
+            str(image.meta.get("modality", "") or ""),
+            same_dataset=loaded["key"][0] == "demo",
+        )
+        kept = {"key": key, "warnings": warnings, "note": trust.facts_note(facts)}
+        st.session_state["trust"] = kept
+    for w in kept["warnings"]:
+        st.warning(w, icon="⚠️")
+    if kept["warnings"] and kept["note"]:
+        st.caption(kept["note"])
+    return kept["warnings"]
 
 
 def main() -> None:
@@ -344,15 +511,16 @@ def main() -> None:
     loaded = input_section(info)
     if loaded is None:
         return
+    warnings = trust_section(info, loaded)
     result = model_section(info, loaded)
     stored = st.session_state.get("result") if result is not None else None
     top = st.columns([2, 1])
     with top[1]:
         metadata_panel(loaded)
         if stored is not None:
-            results_panel(info, stored)
+            results_panel(info, stored, warnings)
     with top[0]:
-        viewer(loaded, stored["labels_view"] if stored is not None else None)
+        viewer(loaded, stored, info)
     st.caption("Research use only; not for clinical decisions.")
 
 

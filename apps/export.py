@@ -3,17 +3,89 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from monai.data import MetaTensor
 from pydicom.dataset import Dataset
+from pydicom.uid import UID, generate_uid
 
 from medseg import __version__
 from medseg.datasets.nifti import save_nifti
+from medseg.errors import DataError
+
+# SOP classes a Segmentation may reference when a slice does not say which it is
+_IMAGE_STORAGE = {"CT": "1.2.840.10008.5.1.4.1.1.2", "MR": "1.2.840.10008.5.1.4.1.1.4"}
+# attributes highdicom copies from the source images into the Segmentation's geometry
+_GEOMETRY = ("ImagePositionPatient", "ImageOrientationPatient", "PixelSpacing")
+
+
+@dataclass
+class SegExport:
+    """A DICOM-SEG and the UIDs that had to be made up because the series did not carry them."""
+
+    data: bytes
+    generated: list[str]
+
+
+def _valid_uid(value: object) -> bool:
+    text = str(value or "").strip()
+    return bool(text) and UID(text).is_valid
+
+
+def fill_missing_uids(sources: Sequence[Dataset]) -> tuple[list[Dataset], list[str]]:
+    """Copies of ``sources`` with empty or invalid UIDs replaced by new ones, and which were replaced.
+
+    Anonymisers often blank the Study, Series, SOP instance and frame of reference UIDs. A
+    Segmentation must reference its source images by them, so each missing UID gets a fresh one
+    (one Study, Series and frame of reference for the whole series, one SOP instance per slice;
+    a SOP instance UID that repeats is replaced too). A SOP class UID is filled from the Modality
+    (CT or MR image storage). Raises DataError, in plain words, when the geometry itself is missing.
+    """
+    out = [copy.deepcopy(ds) for ds in sources]
+    generated: list[str] = []
+    for name in ("StudyInstanceUID", "SeriesInstanceUID", "FrameOfReferenceUID"):
+        values = {str(ds.get(name, "") or "") for ds in out}
+        if len(values) != 1 or not _valid_uid(next(iter(values))):
+            uid = generate_uid()
+            for ds in out:
+                setattr(ds, name, uid)
+            generated.append(name)
+    seen: set[str] = set()
+    replaced = 0
+    for ds in out:
+        uid = str(ds.get("SOPInstanceUID", "") or "")
+        if not _valid_uid(uid) or uid in seen:
+            uid = generate_uid()
+            ds.SOPInstanceUID = uid
+            replaced += 1
+        seen.add(uid)
+    if replaced:
+        generated.append(f"SOPInstanceUID ({replaced} of {len(out)} slices)")
+    for ds in out:
+        if not _valid_uid(ds.get("SOPClassUID")):
+            storage = _IMAGE_STORAGE.get(str(ds.get("Modality", "")).upper())
+            if storage is None:
+                raise DataError(
+                    "the slices do not say what kind of DICOM image they are (no SOP class, and the "
+                    "modality is not CT or MR), so a segmentation cannot refer to them"
+                )
+            ds.SOPClassUID = storage
+            if "SOPClassUID" not in generated:
+                generated.append("SOPClassUID")
+    for ds in out:
+        missing = [a for a in _GEOMETRY if not ds.get(a)]
+        if missing:
+            raise DataError(
+                "the slices do not record where they lie in the patient "
+                f"({', '.join(missing)} missing), so a segmentation cannot be placed on them"
+            )
+    return out, generated
 
 
 def mask_nifti_bytes(label: MetaTensor) -> bytes:
@@ -57,7 +129,10 @@ def mask_dicom_seg_bytes(
 
     mask = np.asarray(label[0].cpu().numpy(), dtype=np.uint8)
     if mask.shape[2] != len(sources):
-        raise ValueError(f"the mask has {mask.shape[2]} slices but the series {len(sources)}")
+        raise DataError(
+            f"the mask has {mask.shape[2]} slices but the series {len(sources)}; "
+            "a segmentation must match the uploaded slices one to one"
+        )
     frames = np.ascontiguousarray(np.transpose(mask, (2, 1, 0)))  # (k, rows=j, columns=i)
     algorithm = hd.AlgorithmIdentificationSequence(
         name=f"medseg {model}"[:64], family=codes.cid7162.ArtificialIntelligence, version=__version__
@@ -97,3 +172,11 @@ def mask_dicom_seg_bytes(
     buf = io.BytesIO()
     seg.save_as(buf)
     return buf.getvalue()
+
+
+def dicom_seg_export(
+    label: MetaTensor, sources: Sequence[Dataset], labels: dict[int, str], model: str
+) -> SegExport:
+    """:func:`mask_dicom_seg_bytes` over the series with missing UIDs filled in (see :func:`fill_missing_uids`)."""
+    filled, generated = fill_missing_uids(sources)
+    return SegExport(mask_dicom_seg_bytes(label, filled, labels, model), generated)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from medseg.errors import MedsegError
 log = logging.getLogger(__name__)
 
 APP_PAGE = Path(__file__).with_name("app.py")
+STOP_GRACE_S = 10.0  # after SIGTERM/SIGINT, how long the Streamlit server may take before it is killed
 
 
 def streamlit_command(port: int, address: str = "localhost") -> list[str]:
@@ -51,14 +55,56 @@ def app_env(runs: Sequence[str | Path]) -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGTERM it when its parent dies (PR_SET_PDEATHSIG).
+
+    Signal forwarding covers SIGTERM and SIGINT; this covers a parent killed with SIGKILL.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: forwarding still applies
+        pass
+
+
 def serve(runs: Sequence[str | Path], port: int) -> None:
-    """Run the viewer until interrupted; a Streamlit failure (port taken, ...) is a MedsegError."""
+    """Run the viewer until interrupted; a Streamlit failure (port taken, ...) is a MedsegError.
+
+    SIGTERM and SIGINT sent to ``medseg app`` are passed on to the Streamlit server, which is then
+    waited for (and killed after ``STOP_GRACE_S``), so stopping the command stops the server (no
+    orphan keeps the port).
+    """
     missing = [str(r) for r in runs if not Path(r).is_dir()]
     if missing:
         raise MedsegError(
             f"{', '.join(missing)}: no such folder; give --runs a folder that holds run folders"
         )
     log.info("viewer on http://localhost:%d (models from %s)", port, ", ".join(str(r) for r in runs))
-    code = subprocess.call(streamlit_command(port), env=app_env(runs))
-    if code not in (0, -2, 130):  # -2/130: stopped with Ctrl-C
+    proc = subprocess.Popen(streamlit_command(port), env=app_env(runs), preexec_fn=_die_with_parent)
+    stopping: list[float] = []
+
+    def forward(signum: int, frame: object) -> None:
+        stopping.append(time.monotonic())
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                # a server busy in a model run may not stop at once: kill it after STOP_GRACE_S
+                if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:
+                    proc.kill()
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stopping:
+        return
+    if code not in (0, -2, -15, 130, 143):  # stopped with Ctrl-C or SIGTERM
         raise MedsegError(f"streamlit stopped with status {code} (is port {port} already in use? try --port)")

@@ -37,6 +37,14 @@ class ModelInfo:
     metrics: dict[str, Any] = field(default_factory=dict)
     data_dir: str = ""
     mtime: float = 0.0  # of models/model.pt: a retrained bundle is a new cache entry
+    # where the weights were selected (metadata.json "validated_on"): dataset name, its modality,
+    # training and validation case counts, best epoch; and evaluations written beside the bundle
+    modality: str = ""
+    dataset_name: str = ""
+    n_train: int | None = None
+    n_val: int | None = None
+    best_epoch: int | None = None
+    evaluations: tuple[dict[str, Any], ...] = ()
 
     @property
     def title(self) -> str:
@@ -50,6 +58,10 @@ def read_info(path: str | Path) -> ModelInfo:
         meta = json.loads((root / "configs" / "metadata.json").read_text())
         cfg = read_settings(root)
         mtime = (root / "models" / "model.pt").stat().st_mtime
+        val = dict(meta.get("validated_on") or {})
+        modality = val.get("modality") or {}
+        if isinstance(modality, dict):
+            modality = modality.get("0", next(iter(modality.values()), ""))
         return ModelInfo(
             bundle=root.resolve(),
             name=str(meta.get("name", root.parent.name)),
@@ -62,9 +74,52 @@ def read_info(path: str | Path) -> ModelInfo:
             metrics=dict(meta.get("medseg_metrics") or {}),
             data_dir=str(cfg.get("data", {}).get("dir", "")),
             mtime=mtime,
+            modality=str(modality or ""),
+            dataset_name=str(val.get("dataset_name", "")),
+            n_train=val.get("num_training_cases"),
+            n_val=len(val["cases"]) if isinstance(val.get("cases"), list) else None,
+            best_epoch=val.get("best_epoch"),
+            evaluations=tuple(_evaluations(root.parent)),
         )
     except (OSError, KeyError, TypeError, ValueError) as e:
         raise RunError(f"{root}: bundle metadata is incomplete ({type(e).__name__}: {e})") from None
+
+
+def dataset_facts(root: str | Path) -> dict[str, str]:
+    """Name and description from a dataset folder's ``dataset.json`` ({} when it is not on this machine)."""
+    try:
+        data = json.loads((Path(root) / "dataset.json").read_text())
+        return {"name": str(data.get("name", "")), "description": str(data.get("description", ""))}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def is_synthetic(*texts: str) -> bool:
+    """Whether a dataset's name or description calls it synthetic (medseg's own say "synthetic"/"Synth")."""
+    return any("synth" in t.lower() for t in texts if t)
+
+
+def _evaluations(run_dir: Path) -> list[dict[str, Any]]:
+    """``medseg evaluate`` results beside the bundle (``eval-<dataset>.json``): where, how many, what."""
+    found = []
+    for p in sorted(run_dir.glob("eval-*.json")):
+        try:
+            data = json.loads(p.read_text())
+            root = str(data.get("data", "")).split(" (")[0]
+            facts = dataset_facts(root) if root else {}
+            found.append(
+                {
+                    "dataset": facts.get("name") or p.stem[5:],
+                    "folder": Path(root).name if root else p.stem[5:],
+                    "split": "validation split" if p.stem == "eval-val" else "all labelled cases",
+                    "synthetic": is_synthetic(p.stem, root, *facts.values()),
+                    "cases": len(data.get("cases") or []),
+                    "summary": dict(data.get("summary") or {}),
+                }
+            )
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            log.warning("%s: not read (%s)", p, e)
+    return found
 
 
 def list_models(folders: list[str | Path]) -> tuple[list[ModelInfo], list[str]]:

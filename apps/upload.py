@@ -267,3 +267,27 @@ def describe(image: MetaTensor, source: str) -> dict[str, str]:
         if image.meta.get("resampled"):
             info["note"] = "uneven slices resampled"
     return info
+
+
+def safe_stem(name: str) -> str:
+    """A name safe in a download's file name: letters, digits, dot, dash and underscore."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "case"
+
+
+def case_name(names: Sequence[str]) -> str:
+    """The case's name for downloads: the uploaded file's name without its suffix.
+
+    Several DICOM files: their common prefix, else ``dicom-series``. Never shown in the page.
+    """
+    stems = []
+    for name in names:
+        base = Path(str(name).replace("\\", "/")).name
+        for suffix in (".nii.gz", ".nii", ".zip", ".dcm", ".dicom"):
+            if base.lower().endswith(suffix):
+                base = base[: -len(suffix)]
+                break
+        stems.append(base)
+    if len(stems) == 1:
+        return safe_stem(stems[0])
+    prefix = os.path.commonprefix(stems).rstrip("._- 0123456789")
+    return safe_stem(prefix) if prefix else "dicom-series"

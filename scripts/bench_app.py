@@ -83,7 +83,7 @@ def _session(app: Path, case: Path, data: bytes):
     at = AppTest.from_file(str(app), default_timeout=600)
     at.run()
     assert not at.exception and not at.error, (at.exception, [e.value for e in at.error])
-    at.file_uploader(key="upload").set_value((case.name, data, "application/gzip"))
+    at.file_uploader[0].set_value((case.name, data, "application/gzip"))
     s = time.perf_counter()
     at.run()
     upload_s = time.perf_counter() - s

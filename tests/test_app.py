@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import gzip
 import io
+import signal
+import subprocess
+import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -61,7 +65,7 @@ def errors(at: AppTest) -> list[str]:
 
 
 def upload_files(at: AppTest, files: list[tuple[str, bytes]]) -> AppTest:
-    at.file_uploader(key="upload").set_value([(n, d, "application/octet-stream") for n, d in files])
+    at.file_uploader[0].set_value([(n, d, "application/octet-stream") for n, d in files])
     return at.run()
 
 
@@ -222,6 +226,7 @@ def test_demo_case(app_runs, seg_case, monkeypatch) -> None:
     demo = at.selectbox(key="demo")
     assert Path(demo.value).name == seg_case.name
     assert not errors(at)
+    assert not at.warning, [w.value for w in at.warning]  # a case of the training dataset: no warning
     run_model(at)
     assert not errors(at) and not at.exception, errors(at)
     assert_overlay(at)
@@ -371,3 +376,113 @@ def test_upload_limits(monkeypatch) -> None:
 def test_cli_app_refuses_a_missing_runs_folder(tmp_path, capsys) -> None:
     assert main(["app", "--runs", str(tmp_path / "nope"), "--port", "1"]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+# --- issue 14: workflow fixes and trust signals ----------------------------------------------------
+
+
+def _blank_uids(folder: Path) -> None:
+    """What an anonymiser leaves: Study, Series, SOP instance and frame of reference UIDs empty."""
+    for p in sorted(folder.iterdir()):
+        ds = pydicom.dcmread(p)
+        for name in ("StudyInstanceUID", "SeriesInstanceUID", "SOPInstanceUID", "FrameOfReferenceUID"):
+            setattr(ds, name, "")
+        ds.file_meta.MediaStorageSOPInstanceUID = "1.2.3"
+        ds.save_as(p)
+
+
+def test_replace_upload_names_uids_messages_and_trust(
+    app_runs, seg_case, expected, tmp_path, monkeypatch
+) -> None:
+    at = new_app(app_runs, monkeypatch)
+    # where the sidebar's metrics come from, and the model's input window apart from the display's
+    sidebar = "\n".join(str(c.value) for c in at.sidebar.caption) + "\n".join(
+        str(m.value) for m in at.sidebar.markdown
+    )
+    assert (
+        "Measured on 2 validation case(s) of SynthCT (synthetic data); trained on 6 other case(s)" in sidebar
+    )
+    assert "Model input window** -150 … 250" in sidebar
+
+    # an image unlike the training data: MR intensities, 2 mm voxels, a wider field of view
+    anatomical = Path(nib.__file__).parent / "tests" / "data" / "anatomical.nii"
+    upload_files(at, [("mr-head.nii", anatomical.read_bytes())])
+    assert not errors(at) and not at.file_uploader[0].value  # the picker is empty again
+    warned = "\n".join(str(w.value) for w in at.warning)
+    assert "trained on synthetic images (SynthCT)" in warned
+    assert "do not look like CT in Hounsfield units" in warned
+    assert "of the voxels lie in the model's input window (-150 … 250)" in warned
+    assert "Voxel size 2 × 2 × 2 mm differs more than 2× from the training images" in warned
+    assert "Field of view" in warned and "front-back" in warned
+    assert any(s.label.startswith("Display window / level (screen only)") for s in at.selectbox)
+
+    # a second upload replaces the first (no "got 2 files"), and its warnings are its own
+    upload_files(at, [("case-b.nii.gz", seg_case.read_bytes())])
+    assert not errors(at), errors(at)
+    meta = next(t.value for t in at.table if "field" in t.value.columns)
+    assert dict(zip(meta["field"], meta["value"], strict=True))["spacing (mm)"] == "0.8 × 0.8 × 2.4"
+    warned = "\n".join(str(w.value) for w in at.warning)
+    assert "Hounsfield" not in warned and "Field of view" not in warned and "Voxel size" not in warned
+
+    # an anonymised DICOM series (empty UIDs): the DICOM-SEG gets new UIDs and says so
+    folder = write_series(expected["image"], tmp_path / "anon")
+    _blank_uids(folder)
+    upload_files(at, [(f"anon-{n:03d}.dcm", p.read_bytes()) for n, p in enumerate(sorted(folder.iterdir()))])
+    assert not errors(at), errors(at)
+    run_model(at)
+    assert not errors(at) and not at.exception, errors(at)
+    stored = at.session_state["result"]
+    assert stored["dicom_seg"] is not None, stored["dicom_seg_problem"]
+    notes = "\n".join(str(i.value) for i in at.info)
+    assert "newly generated UIDs" in notes and "SOPInstanceUID" in notes
+    seg = hd.seg.segread(io.BytesIO(stored["dicom_seg"]))
+    assert [d.SegmentLabel for d in seg.SegmentSequence] == ["organ", "lesion"]
+    refs = [r for s in seg.ReferencedSeriesSequence for r in s.ReferencedInstanceSequence]
+    uids = [
+        seg.StudyInstanceUID,
+        seg.FrameOfReferenceUID,
+        *[s.SeriesInstanceUID for s in seg.ReferencedSeriesSequence],
+    ]
+    uids += [r.ReferencedSOPInstanceUID for r in refs]
+    assert len(refs) == expected["image"].shape[3] and all(pydicom.uid.UID(u).is_valid for u in uids), uids
+    label = stored["result"].prediction.label[0].numpy()
+    assert int(seg.pixel_array.astype(bool).sum()) == int((label > 0).sum()) > 0
+    # downloads are named after the case and the model
+    assert len(at.get("download_button")) == 2
+    assert stored["names"] == {"mask": "anon-tiny-seg-mask.nii.gz", "seg": "anon-tiny-seg-seg.dcm"}
+
+    # a series with a missing slice: plain words, no command-line flag, no folder path
+    gap = write_series(expected["image"], tmp_path / "gap")
+    files = sorted(gap.iterdir())
+    upload_files(at, [(p.name, p.read_bytes()) for n, p in enumerate(files) if n != len(files) // 2])
+    (msg,) = errors(at)
+    assert "missing slice" in msg and "upload the complete series" in msg, msg
+    assert "--" not in msg and "resample=True" not in msg and "/" not in msg and "medseg " not in msg, msg
+
+
+def test_app_command_stops_its_streamlit_server_on_ctrl_c(tmp_path) -> None:
+    """``medseg app`` stopped with SIGINT takes its Streamlit child with it (SIGTERM: the browser test's fixture)."""
+    signum = signal.SIGINT
+    from tests.browser import alive, child_pids, free_port, wait_healthy
+
+    port, log = free_port(), tmp_path / "app.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "medseg", "app", "--runs", str(tmp_path), "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_healthy(f"http://localhost:{port}", proc, log)
+        children = child_pids(proc.pid)
+        assert children, "medseg app started no child process"
+        proc.send_signal(signum)
+        assert proc.wait(timeout=30) == 0, log.read_text()[-2000:]
+        deadline = time.time() + 10
+        while any(alive(c) for c in children) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(c) for c in children), "the Streamlit server outlived medseg app"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

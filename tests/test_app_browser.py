@@ -1,56 +1,44 @@
 """End to end in a real browser: ``medseg app`` on a free localhost port, Debian's chromium driven
 headless by Selenium through Debian's chromium-driver (``make test`` installs both).
 
-Uploads a NIfTI, runs segmentation, checks that coloured overlays and the volume table appear
-with the numbers ``medseg infer``'s function gives, and saves screenshots under the test's tmp
-folder.
+One browser session (browser tests are slow): upload a NIfTI and segment it (the volume table
+shows ``medseg infer``'s numbers); in the NiiVue viewport click, scroll and drag the window with
+real input events (Chrome DevTools Protocol) and compare the crosshair's world position, voxel,
+intensity and label with nibabel; then upload an anonymised DICOM series (empty UIDs) as loose
+files, which replaces the case, segment it and download the DICOM-SEG and the NIfTI mask under
+the case's and the model's name. Screenshots go to the test's tmp folder and test-output/.
 """
 
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
-from io import BytesIO
 from pathlib import Path
 
+import highdicom as hd
+import nibabel as nib
 import numpy as np
+import pydicom
 import pytest
-from PIL import Image
 from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from medseg.bundle import load_bundle
 from medseg.datasets.decathlon import load_dataset
+from medseg.datasets.dicom import write_dicom_series
 from medseg.infer import label_volumes, load_image, predict
-
-START_TIMEOUT = 120
-RESULT_TIMEOUT = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.time() + START_TIMEOUT
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"medseg app exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                if r.read().strip() == b"ok":
-                    return
-        except OSError:
-            time.sleep(0.5)
-    pytest.fail(f"medseg app did not answer on {url} in {START_TIMEOUT} s:\n{log.read_text()[-3000:]}")
+from tests.browser import (
+    RESULT_TIMEOUT,
+    Viewport,
+    alive,
+    child_pids,
+    chrome,
+    free_port,
+    wait_healthy,
+)
 
 
 @pytest.fixture
@@ -67,81 +55,142 @@ def server(seg_run, tmp_path: Path):
             stderr=subprocess.STDOUT,
         )
     url = f"http://localhost:{port}"
+    children: list[int] = []
     try:
         wait_healthy(url, proc, log)
+        children = child_pids(proc.pid)
         yield url
     finally:
-        proc.terminate()
+        proc.terminate()  # SIGTERM: medseg app passes it on to its Streamlit server
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+    deadline = time.time() + 10
+    while any(alive(c) for c in children) and time.time() < deadline:
+        time.sleep(0.2)
+    assert children and not any(alive(c) for c in children), "the Streamlit server outlived medseg app"
 
 
 @pytest.fixture
-def browser():
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    assert chromium and driver, "Debian's chromium and chromium-driver are needed: run `make browser`"
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1600,1300"):
-        opts.add_argument(arg)
-    b = webdriver.Chrome(service=Service(driver), options=opts)
+def browser(tmp_path: Path):
+    b = chrome(tmp_path / "downloads")
     try:
         yield b
     finally:
         b.quit()
 
 
-def tinted_pixels(png: bytes) -> int:
-    """Pixels whose red and green differ clearly: label colours (grey has R = G, the crosshair too)."""
-    rgb = np.asarray(Image.open(BytesIO(png)).convert("RGB")).astype(int)
-    return int((np.abs(rgb[..., 0] - rgb[..., 1]) > 30).sum())
+def body_text(driver: webdriver.Chrome) -> str:
+    return driver.find_element(By.TAG_NAME, "body").text
 
 
-def test_upload_segment_in_chromium(server, browser, seg_run, seg_data, tmp_path: Path) -> None:
+def click_button(driver: webdriver.Chrome, text: str) -> None:
+    button = WebDriverWait(driver, RESULT_TIMEOUT).until(
+        lambda d: d.find_element(By.XPATH, f"//button[contains(., '{text}')]")
+    )
+    button.click()
+
+
+def downloaded(folder: Path, name: str) -> Path:
+    path = folder / name
+    deadline = time.time() + 60
+    while not path.is_file() and time.time() < deadline:
+        time.sleep(0.2)
+    assert path.is_file(), sorted(p.name for p in folder.glob("*")) if folder.is_dir() else "no downloads"
+    return path
+
+
+def anonymised_series(image, out: Path) -> list[Path]:
+    """The case as a DICOM series whose Study, Series, SOP instance and frame of reference UIDs are empty."""
+    write_dicom_series(image[0].numpy(), image.affine.numpy(), out, patient_id="X")
+    files = sorted(out.iterdir())
+    for p in files:
+        ds = pydicom.dcmread(p)
+        for name in ("StudyInstanceUID", "SeriesInstanceUID", "SOPInstanceUID", "FrameOfReferenceUID"):
+            setattr(ds, name, "")
+        ds.save_as(p)
+    named = [p.with_name(f"anon-{n:03d}.dcm") for n in range(len(files))]
+    for p, q in zip(files, named, strict=True):
+        p.rename(q)
+    return named
+
+
+def test_viewer_in_chromium(server, browser, seg_run, seg_data, tmp_path: Path) -> None:
     case = Path(load_dataset(seg_data).test[0]["image"])
     bundle = load_bundle(seg_run.run_dir)
-    want = label_volumes(predict(bundle, load_image(case), device="cpu").label, bundle.labels)
+    image = load_image(case)
+    pred = predict(bundle, image, device="cpu")
+    want = label_volumes(pred.label, bundle.labels)
+    nii = nib.load(case)
+    data, mask = np.asanyarray(nii.dataobj), pred.label[0].numpy()
+    keep = Path(__file__).resolve().parents[1] / "test-output" / "test_app_browser"
+    keep.mkdir(parents=True, exist_ok=True)
 
     browser.get(server)
     wait = WebDriverWait(browser, RESULT_TIMEOUT)
     try:
-        file_input = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "input[type=file]"))
-        file_input.send_keys(str(case))
-        run = wait.until(
-            lambda d: d.find_element(By.XPATH, "//button[contains(., 'Run segmentation with tiny-seg')]")
-        )
-        run.click()
-        wait.until(lambda d: "sagittal · overlay" in d.find_element(By.TAG_NAME, "body").text)
-        wait.until(lambda d: "volume (mL)" in d.find_element(By.TAG_NAME, "body").text)
-        time.sleep(1.0)  # let the last images finish decoding before the screenshots
+        wait.until(lambda d: d.find_element(By.CSS_SELECTOR, "input[type=file]")).send_keys(str(case))
+        click_button(browser, "Run segmentation with tiny-seg")
+        wait.until(lambda d: "volume (mL)" in body_text(d))
+        view = Viewport(browser)
+        view.wait_volumes(2)  # the scan and the label map
+        time.sleep(0.5)
     finally:
         browser.save_screenshot(str(tmp_path / "viewer.png"))
-    body = browser.find_element(By.TAG_NAME, "body").text
+        shutil.copy(tmp_path / "viewer.png", keep / "viewer.png")
+    body = body_text(browser)
     assert "Traceback" not in body and "Error" not in body
-
-    images = browser.find_elements(By.CSS_SELECTOR, "[data-testid='stImage'] img")
-    assert len(images) == 3
-    for n, img in enumerate(images):
-        png = img.screenshot_as_png
-        (tmp_path / f"panel-{n}.png").write_bytes(png)
-        assert img.size["width"] > 100 and img.size["height"] > 100
-    assert sum(tinted_pixels(img.screenshot_as_png) for img in images) > 50, "no label colours in the panels"
+    assert "cannot run WebGL" not in body  # the interactive viewport is on, not the static fallback
 
     rows = browser.find_elements(By.CSS_SELECTOR, "[data-testid='stTable'] tbody tr")
     cells = [[c.text for c in r.find_elements(By.CSS_SELECTOR, "td,th")] for r in rows]
-    shown = {
-        row[-3]: (int(row[-2]), float(row[-1]))
-        for row in cells
-        if len(row) >= 3 and row[-3] in {"organ", "lesion"}
-    }
+    shown = {r[-3]: (int(r[-2]), float(r[-1])) for r in cells if len(r) >= 3 and r[-3] in {"organ", "lesion"}}
     assert set(shown) == {"organ", "lesion"}, cells
     for v in want:
         assert shown[v["label"]][0] == v["voxels"]
         assert shown[v["label"]][1] == pytest.approx(v["ml"], abs=0.006)
-    assert (tmp_path / "viewer.png").stat().st_size > 10_000
-    # also where CI can collect it (test-output/ is git-ignored)
-    keep = Path(__file__).resolve().parents[1] / "test-output" / "test_app_browser"
-    keep.mkdir(parents=True, exist_ok=True)
-    shutil.copy(tmp_path / "viewer.png", keep / "viewer.png")
+
+    # click: the crosshair's world position is nibabel's affine applied to its voxel, and the
+    # readout's intensity and label are that voxel's
+    left, top, width, height = view.tile(0)  # axial
+    points = []
+    for fx in (0.3, 0.7):
+        view.click(left + fx * width, top + 0.5 * height)
+        loc = view.location()
+        vox = np.round(loc["vox"]).astype(int)
+        np.testing.assert_allclose((nii.affine @ [*vox, 1])[:3], loc["mm"], atol=1e-3)
+        assert loc["value"] == pytest.approx(float(data[tuple(vox)]), abs=0.5)
+        assert loc["label"] == mask[tuple(vox)]
+        points.append(loc["mm"])
+    # radiological convention: the left of the axial tile is the patient's right (larger RAS x)
+    assert points[0][0] > points[1][0]
+
+    # wheel: one slice per step along the axial normal (RAS voxel z)
+    x, y = left + 0.5 * width, top + 0.5 * height
+    view.click(x, y)
+    before = view.location()["ras"]
+    view.wheel(x, y, -120)
+    WebDriverWait(browser, 10).until(lambda _: view.location()["ras"][2] != before[2])
+    after = view.location()["ras"]
+    assert abs(after[2] - before[2]) == 1 and after[:2] == before[:2]
+
+    # right-drag: window/level changes
+    lo, hi = view.window()
+    view.right_drag(x, y, 80, 40)
+    WebDriverWait(browser, 10).until(lambda _: view.window() != (lo, hi))
+
+    # an anonymised DICOM series as loose files: replaces the case; DICOM-SEG with generated UIDs
+    files = anonymised_series(image, tmp_path / "anon")
+    browser.find_element(By.CSS_SELECTOR, "input[type=file]").send_keys("\n".join(str(p) for p in files))
+    click_button(browser, "Run segmentation with tiny-seg")
+    wait.until(lambda d: "newly generated UIDs" in body_text(d))
+    assert "got " not in body_text(browser)  # not added to the NIfTI upload
+    click_button(browser, "Download DICOM-SEG")
+    click_button(browser, "Download mask")
+    downloads = tmp_path / "downloads"
+    seg = hd.seg.segread(downloaded(downloads, "anon-tiny-seg-seg.dcm"))
+    nifti = nib.load(downloaded(downloads, "anon-tiny-seg-mask.nii.gz"))
+    got = np.asanyarray(nifti.dataobj)
+    assert got.shape == mask.shape and int(seg.pixel_array.astype(bool).sum()) == int((got > 0).sum()) > 0
+    browser.save_screenshot(str(keep / "viewer-dicom.png"))

@@ -1,0 +1,258 @@
+// medseg viewport: NiiVue (vendored niivue.umd.js) inside a Streamlit custom component.
+//
+// Streamlit's component protocol is a few postMessage calls, written out here so no other npm
+// package is needed: "componentReady" once, "render" messages in (args from Python), and
+// "setComponentValue" / "setFrameHeight" out. The scan and the label map arrive as NIfTI bytes in
+// the render message; nothing is fetched from anywhere.
+(function () {
+  "use strict";
+  const SLICE = { axial: 0, coronal: 1, sagittal: 2, multi: 3, render: 4 };
+  const state = {
+    nv: null, ready: false, volumeId: null, labelsId: null, windowKey: null,
+    labels: [], opacity: 0.5, outline: false, plane: 0, location: null,
+    loadedAt: null, renderedAt: null, error: null,
+  };
+  window.medsegViewport = state; // read by the browser tests and the benchmark
+
+  function send(type, data) {
+    window.parent.postMessage(Object.assign({ isStreamlitMessage: true, type: type }, data || {}), "*");
+  }
+  function setValue(value) { send("streamlit:setComponentValue", { value: value, dataType: "json" }); }
+  function fitHeight() { send("streamlit:setFrameHeight", { height: document.body.scrollHeight + 4 }); }
+
+  function arrayBuffer(bytes) {
+    if (bytes instanceof ArrayBuffer) return bytes;
+    return bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + bytes.byteLength);
+  }
+
+  function fmt(v, d) { return (Math.round(v * 10 ** d) / 10 ** d).toFixed(d); }
+
+  // voxel (i, j, k) of the file as stored, from a world position: inverse of the scan's affine
+  function storedVoxel(mm) {
+    const a = state.affine;
+    if (!a) return null;
+    const m = [[a[0][0], a[0][1], a[0][2]], [a[1][0], a[1][1], a[1][2]], [a[2][0], a[2][1], a[2][2]]];
+    const det = m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0]) +
+      m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]);
+    const inv = [
+      [(m[1][1] * m[2][2] - m[1][2] * m[2][1]) / det, (m[0][2] * m[2][1] - m[0][1] * m[2][2]) / det, (m[0][1] * m[1][2] - m[0][2] * m[1][1]) / det],
+      [(m[1][2] * m[2][0] - m[1][0] * m[2][2]) / det, (m[0][0] * m[2][2] - m[0][2] * m[2][0]) / det, (m[0][2] * m[1][0] - m[0][0] * m[1][2]) / det],
+      [(m[1][0] * m[2][1] - m[1][1] * m[2][0]) / det, (m[0][1] * m[2][0] - m[0][0] * m[2][1]) / det, (m[0][0] * m[1][1] - m[0][1] * m[1][0]) / det],
+    ];
+    const d = [mm[0] - a[0][3], mm[1] - a[1][3], mm[2] - a[2][3]];
+    return inv.map((row) => Math.round(row[0] * d[0] + row[1] * d[1] + row[2] * d[2]));
+  }
+
+  function showLocation(data) {
+    state.location = data;
+    const vals = data.values || [];
+    const mm = vals.length ? vals[0].mm : data.mm;
+    data.storedVox = storedVoxel(mm); // NiiVue's own voxel indices are in its RAS-reordered copy
+    const vox = data.storedVox || (vals.length ? vals[0].vox : data.vox);
+    let text = `RAS ${fmt(mm[0], 1)}, ${fmt(mm[1], 1)}, ${fmt(mm[2], 1)} mm   voxel ${vox.map(Math.round).join(", ")}`;
+    if (vals.length) text += `   intensity ${fmt(vals[0].value, 1)}`;
+    if (vals.length > 1) {
+      const v = Math.round(vals[1].value);
+      const lab = state.labels.find((l) => l.value === v);
+      text += `   label ${v === 0 ? "none" : lab ? lab.name : v}`;
+    }
+    document.getElementById("readout").textContent = text;
+    if (typeof data.axCorSag === "number" && data.axCorSag >= 0 && data.axCorSag <= 2) state.plane = data.axCorSag;
+  }
+
+  function labelLut() {
+    const max = Math.max(1, ...state.labels.map((l) => l.value));
+    const lut = { R: [], G: [], B: [], A: [], I: [], labels: [] };
+    for (let i = 0; i <= max; i++) {
+      const l = state.labels.find((x) => x.value === i);
+      lut.I.push(i);
+      lut.R.push(l ? l.colour[0] : 0);
+      lut.G.push(l ? l.colour[1] : 0);
+      lut.B.push(l ? l.colour[2] : 0);
+      lut.A.push(l && i > 0 && l.shown ? Math.round(255 * l.opacity) : 0);
+      lut.labels.push(l ? l.name : i === 0 ? "" : String(i));
+    }
+    return lut;
+  }
+
+  function applyLabels() {
+    const nv = state.nv;
+    if (!nv || nv.volumes.length < 2) return;
+    nv.volumes[1].setColormapLabel(labelLut());
+    nv.volumes[1].opacity = 1.0;
+    nv.overlayOutlineWidth = state.outline ? 1 : 0;
+    nv.updateGLVolume();
+  }
+
+  function hex(c) { return "#" + c.map((v) => v.toString(16).padStart(2, "0")).join(""); }
+
+  function labelControls() {
+    const box = document.getElementById("labels");
+    box.innerHTML = "";
+    for (const l of state.labels.filter((x) => x.value > 0)) {
+      const row = document.createElement("label");
+      row.innerHTML = `<input type="checkbox" ${l.shown ? "checked" : ""} title="show or hide">` +
+        `<input type="color" value="${hex(l.colour)}" title="colour">` +
+        `<span></span><input type="range" min="0" max="1" step="0.05" value="${l.opacity}" title="opacity">`;
+      row.querySelector("span").textContent = l.name;
+      const [shown, colour, , opacity] = row.querySelectorAll("input, span");
+      shown.addEventListener("change", () => { l.shown = shown.checked; applyLabels(); });
+      colour.addEventListener("input", () => {
+        const v = colour.value;
+        l.colour = [1, 3, 5].map((i) => parseInt(v.slice(i, i + 2), 16));
+        applyLabels();
+      });
+      opacity.addEventListener("input", () => { l.opacity = parseFloat(opacity.value); applyLabels(); });
+      row.dataset.label = l.name;
+      box.appendChild(row);
+    }
+  }
+
+  function setLayout(name) {
+    state.nv.setSliceType(SLICE[name]);
+    for (const b of document.querySelectorAll("#bar [data-layout]")) b.classList.toggle("on", b.dataset.layout === name);
+  }
+
+  function zoom(factor) {
+    const p = state.nv.scene.pan2Dxyzmm;
+    state.nv.setPan2Dxyzmm([p[0], p[1], p[2], Math.min(Math.max(p[3] * factor, 0.25), 16)]);
+  }
+
+  function setWindow(level, width) {
+    const v = state.nv.volumes[0];
+    v.cal_min = level - width / 2;
+    v.cal_max = level + width / 2;
+    state.nv.updateGLVolume();
+  }
+
+  function step(delta) {
+    const d = [0, 0, 0];
+    d[[2, 1, 0][state.plane]] = delta; // axial moves along z, coronal along y, sagittal along x
+    state.nv.moveCrosshairInVox(d[0], d[1], d[2]);
+  }
+
+  function wireControls(args) {
+    for (const b of document.querySelectorAll("#bar [data-layout]")) b.addEventListener("click", () => setLayout(b.dataset.layout));
+    document.getElementById("zoomin").addEventListener("click", () => zoom(1.25));
+    document.getElementById("zoomout").addEventListener("click", () => zoom(0.8));
+    document.getElementById("reset").addEventListener("click", () => {
+      state.nv.setPan2Dxyzmm([0, 0, 0, 1]);
+      setWindow(state.lastArgs.level, state.lastArgs.width);
+    });
+    const outline = document.getElementById("outline");
+    outline.addEventListener("click", () => {
+      state.outline = !state.outline;
+      outline.classList.toggle("on", state.outline);
+      applyLabels();
+    });
+    const keys = { m: "multi", a: "axial", c: "coronal", s: "sagittal", r: "render" };
+    document.getElementById("gl").addEventListener("keydown", (e) => {
+      if (keys[e.key]) setLayout(keys[e.key]);
+      else if (e.key === "ArrowUp" || e.key === "PageUp") step(1);
+      else if (e.key === "ArrowDown" || e.key === "PageDown") step(-1);
+      else if (e.key === "+" || e.key === "=") zoom(1.25);
+      else if (e.key === "-") zoom(0.8);
+      else if (e.key === "0") document.getElementById("reset").click();
+      else if (e.key === "o") outline.click();
+      else return;
+      e.preventDefault();
+      e.stopPropagation();
+    }, true);
+  }
+
+  async function init() {
+    const canvas = document.getElementById("gl");
+    const nv = new niivue.Niivue({
+      backColor: [0, 0, 0, 1],
+      crosshairColor: [1, 1, 0, 1],
+      isRadiologicalConvention: true,
+      isOrientationTextVisible: true,
+      show3Dcrosshair: true,
+      multiplanarShowRender: 1, // always: three planes and the 3D render
+      dragMode: 9, // right-drag: windowing (horizontal: width, vertical: level)
+      // left: crosshair, right: windowing, middle: pan (NiiVue's DRAG_MODE numbers)
+      mouseEventConfig: { leftButton: { primary: 8 }, rightButton: 9, centerButton: 3 },
+      isForceMouseClickToVoxelCenters: true, // the crosshair sits on a voxel: its mm is affine × voxel
+      isResizeCanvas: true,
+      loadingText: "loading the scan…",
+    });
+    await nv.attachToCanvas(canvas);
+    nv.onLocationChange = showLocation;
+    nv.setSliceType(SLICE.multi);
+    state.nv = nv;
+    state.ready = true;
+  }
+
+  function noWebGL(err) {
+    state.error = String(err && err.message ? err.message : err);
+    const box = document.getElementById("nogl");
+    box.textContent = "This browser cannot run WebGL 2, so the interactive viewer is off; the page shows static panels instead.";
+    box.style.display = "block";
+    for (const id of ["bar", "wrap", "readout", "labels", "help"]) document.getElementById(id).style.display = "none";
+    setValue({ webgl: false, reason: state.error });
+    fitHeight();
+  }
+
+  let queue = Promise.resolve();
+  async function render(args) {
+    state.lastArgs = args;
+    document.getElementById("wrap").style.height = `${args.height || 600}px`;
+    if (!state.nv && !state.error) {
+      try {
+        await init();
+        wireControls(args);
+        setValue({ webgl: true });
+      } catch (err) {
+        noWebGL(err);
+        return;
+      }
+    }
+    if (state.error) return;
+    const nv = state.nv;
+    state.affine = args.affine;
+    if (args.volume_id !== state.volumeId) {
+      while (nv.volumes.length) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
+      const img = await niivue.NVImage.loadFromUrl({ url: "scan.nii", name: "scan.nii", buffer: arrayBuffer(args.volume) });
+      nv.addVolume(img);
+      state.volumeId = args.volume_id;
+      state.newVolume = true;
+      state.labelsId = null;
+      state.windowKey = null;
+    }
+    if (args.labels_id !== state.labelsId) {
+      while (nv.volumes.length > 1) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
+      state.labels = (args.label_info || []).map((l) => Object.assign({ shown: true, opacity: args.opacity }, l));
+      if (args.labels) {
+        const lab = await niivue.NVImage.loadFromUrl({ url: "labels.nii", name: "labels.nii", buffer: arrayBuffer(args.labels) });
+        nv.addVolume(lab);
+        applyLabels();
+      }
+      labelControls();
+      state.labelsId = args.labels_id;
+    }
+    const windowKey = `${args.level}/${args.width}`;
+    if (windowKey !== state.windowKey) { // a new display preset from the page; drags change it in between
+      setWindow(args.level, args.width);
+      state.windowKey = windowKey;
+    }
+    nv.drawScene();
+    state.renderedAt = Date.now();
+    if (state.newVolume) { // first paint of this scan (the benchmark reads it)
+      state.loadedAt = state.renderedAt;
+      state.newVolume = false;
+    }
+    fitHeight();
+  }
+
+  window.addEventListener("message", (event) => {
+    const data = event.data || {};
+    if (data.type === "streamlit:render") {
+      queue = queue.then(() => render(data.args)).catch((err) => {
+        state.error = String(err);
+        document.getElementById("readout").textContent = "The viewer could not show this scan: " + state.error;
+        fitHeight();
+      });
+    }
+  });
+  send("streamlit:componentReady", { apiVersion: 1 });
+})();

@@ -1,0 +1,99 @@
+"""The interactive viewport: NiiVue (BSD-2, vendored from npm) as a Streamlit custom component.
+
+The JavaScript lives in ``frontend/`` inside the package: ``index.html`` and ``viewport.js`` are
+ours, ``niivue.umd.js`` is NiiVue's prebuilt browser bundle, copied from the npm package at setup
+(``make vendor``, run by ``make setup``; pinned in the Makefile). Streamlit serves that folder
+itself, so the page fetches nothing from a CDN and no image leaves the machine.
+
+The scan goes to the browser as an uncompressed NIfTI-1 in its stored voxel order with its own
+affine (NiiVue reorients for display and reports world coordinates through that affine); the label
+map goes the same way, as uint8. Intensities that are whole numbers within int16 travel as int16
+(CT), anything else as float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import nibabel as nib
+import numpy as np
+import streamlit.components.v1 as components
+
+from medseg.apps import render
+
+FRONTEND = Path(__file__).with_name("frontend")
+NIIVUE = FRONTEND / "niivue.umd.js"
+
+_component = components.declare_component("medseg_viewport", path=str(FRONTEND))
+
+
+def available() -> bool:
+    """Whether the NiiVue bundle was vendored (``make vendor``); without it the page uses static panels."""
+    return NIIVUE.is_file()
+
+
+def nifti_bytes(array: np.ndarray, affine: np.ndarray, labels: bool = False) -> bytes:
+    """An (I, J, K) array as NIfTI-1 bytes with ``affine`` as sform and qform (code 1, scanner)."""
+    data = np.asarray(array)
+    if labels:
+        data = data.astype(np.uint8)
+    else:
+        finite = data.size and np.isfinite(data).all()
+        lo, hi = (float(data.min()), float(data.max())) if finite else (0.0, 0.0)
+        whole = finite and lo >= -32768 and hi <= 32767 and np.array_equal(data, np.round(data))
+        data = data.astype(np.int16 if whole else np.float32)
+    img = nib.Nifti1Image(np.ascontiguousarray(data), np.asarray(affine, dtype=np.float64))
+    img.header.set_sform(img.affine, code=1)
+    img.header.set_qform(img.affine, code=1)
+    img.header.set_xyzt_units("mm")
+    return img.to_bytes()
+
+
+def digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def label_info(labels: dict[int, str]) -> list[dict[str, Any]]:
+    """Name and default colour per label value (the static panels' palette)."""
+    return [
+        {"value": int(k), "name": str(v), "colour": list(render.label_colour(int(k))) if k else [0, 0, 0]}
+        for k, v in sorted(labels.items())
+    ]
+
+
+def viewport(
+    volume: bytes,
+    volume_id: str,
+    affine: np.ndarray,
+    labels: bytes | None,
+    labels_id: str,
+    labels_meta: list[dict[str, Any]],
+    level: float,
+    width: float,
+    opacity: float,
+    height: int = 600,
+    key: str = "viewport",
+) -> dict[str, Any] | None:
+    """Draw the viewport; returns what the browser reported ({"webgl": bool, ...}), None before it has.
+
+    ``affine`` is the scan's (the one in its NIfTI bytes): the readout gives the file's own voxel
+    indices, ``round(inv(affine) @ mm)``, not NiiVue's RAS-reordered ones.
+    ``volume_id`` and ``labels_id`` name the bytes (:func:`digest`): the browser reloads a volume
+    only when its id changes, so reruns that only move a control do not reload the scan.
+    """
+    return _component(
+        volume=volume,
+        volume_id=volume_id,
+        affine=np.asarray(affine, dtype=np.float64).tolist(),
+        labels=labels,
+        labels_id=labels_id,
+        label_info=labels_meta,
+        level=float(level),
+        width=float(width),
+        opacity=float(opacity),
+        height=int(height),
+        key=key,
+        default=None,
+    )
