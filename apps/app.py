@@ -74,7 +74,7 @@ def sidebar_models() -> ModelInfo | None:
         f"**Task** {info.task} ({info.network})  \n**Labels** {labels}  \n"
         f"**Input spacing** {' × '.join(f'{s:g}' for s in info.spacing)} mm  \n"
         f"**Patch** {' × '.join(str(p) for p in info.patch)}  \n"
-        f"**Window** {info.window[0]:g} … {info.window[1]:g}"
+        f"**Intensities** {info.intensity or f'window {info.window[0]:g} … {info.window[1]:g}'}"
     )
     if info.metrics:
         st.sidebar.caption("Validation metrics")

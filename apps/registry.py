@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from medseg.bundle import find_bundle, read_settings
-from medseg.errors import RunError
+from medseg.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class ModelInfo:
     metrics: dict[str, Any] = field(default_factory=dict)
     data_dir: str = ""
     mtime: float = 0.0  # of models/model.pt: a retrained bundle is a new cache entry
+    intensity: str = ""  # how the model normalises intensities (transforms.normalize), in words
 
     @property
     def title(self) -> str:
@@ -62,9 +63,17 @@ def read_info(path: str | Path) -> ModelInfo:
             metrics=dict(meta.get("medseg_metrics") or {}),
             data_dir=str(cfg.get("data", {}).get("dir", "")),
             mtime=mtime,
+            intensity=_intensity(cfg),
         )
-    except (OSError, KeyError, TypeError, ValueError) as e:
+    except (OSError, KeyError, TypeError, ValueError, ConfigError) as e:
         raise RunError(f"{root}: bundle metadata is incomplete ({type(e).__name__}: {e})") from None
+
+
+def _intensity(cfg: dict[str, Any]) -> str:
+    from medseg.bundle import intensity_text
+    from medseg.config import config_from_dict
+
+    return intensity_text(config_from_dict(cfg))
 
 
 def list_models(folders: list[str | Path]) -> tuple[list[ModelInfo], list[str]]:
