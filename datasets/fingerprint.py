@@ -160,7 +160,9 @@ def compute_fingerprint(info: DatasetInfo, progress: bool = True) -> dict[str, A
         "version": VERSION,
         "dataset": info.name,
         "task": info.task,
-        "modality": info.modality.get("0", next(iter(info.modality.values()), "CT")) if info.modality else "CT",
+        "modality": info.modality.get("0", next(iter(info.modality.values()), "CT"))
+        if info.modality
+        else "CT",
         "num_cases": len(cases),
         "labels": {str(k): v for k, v in info.labels.items()},
         "median_spacing": [float(v) for v in np.median(spacings, 0)],

@@ -313,7 +313,9 @@ def measure(
         "shape": list(shape),
         "batch": batch,
         "params": sum(p.numel() for p in params),
-        "static_bytes": 12 * sum(p.numel() for p in params) + x.numel() * x.element_size() + y.numel() * y.element_size(),
+        "static_bytes": 12 * sum(p.numel() for p in params)
+        + x.numel() * x.element_size()
+        + y.numel() * y.element_size(),
     }
 
 

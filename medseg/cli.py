@@ -23,7 +23,9 @@ def _data_synth_seg(args: argparse.Namespace) -> None:
     out = make_seg_dataset(
         args.out, n_train=args.cases, n_test=args.test, seed=args.seed, modality=args.modality
     )
-    print(f"segmentation dataset ({args.modality.upper()}): {out} ({args.cases} training, {args.test} test cases)")
+    print(
+        f"segmentation dataset ({args.modality.upper()}): {out} ({args.cases} training, {args.test} test cases)"
+    )
 
 
 def _data_synth_cls(args: argparse.Namespace) -> None:
@@ -322,21 +324,39 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dataset", type=Path, help="dataset folder (dataset.json, Decathlon layout)")
     s.add_argument("--out", type=Path, required=True, help="config YAML to write, e.g. configs/NAME.yaml")
     s.add_argument(
-        "--memory-gb", type=float, help="memory budget of a training step (default: half the free RAM up to 8, or 90%% of the GPU)"
+        "--memory-gb",
+        type=float,
+        help="memory budget of a training step (default: half the free RAM up to 8, or 90%% of the GPU)",
     )
-    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where it will train (and is measured)")
-    s.add_argument("--fused", action="store_true", help="plan for train.memory=fused (measured with the fused kernels)")
-    s.add_argument("--net", choices=["unet", "segresnet", "dynunet"], help="default: unet on cpu, dynunet on cuda")
+    s.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where it will train (and is measured)"
+    )
+    s.add_argument(
+        "--fused", action="store_true", help="plan for train.memory=fused (measured with the fused kernels)"
+    )
+    s.add_argument(
+        "--net", choices=["unet", "segresnet", "dynunet"], help="default: unet on cpu, dynunet on cuda"
+    )
     s.add_argument(
         "--time-s",
         type=float,
         help="wall seconds of training steps the plan must fit (default on cpu: the demo's compute, measured as an anchor in the same run; 0 = no limit; cuda: none)",
     )
-    s.add_argument("--steps", type=int, help="training steps to plan for (default 1000 on cpu, 25000 on cuda)")
+    s.add_argument(
+        "--steps", type=int, help="training steps to plan for (default 1000 on cpu, 25000 on cuda)"
+    )
     s.add_argument("--name", help="run name (default plan-<dataset folder>)")
-    s.add_argument("--verify", action="store_true", help="train two steps at the plan and report measured peak vs predicted")
-    s.add_argument("--json", type=Path, help="also write the plan, its predictions and --verify's result here")
-    s.add_argument("--refresh", action="store_true", help="read the dataset again instead of the cached fingerprint")
+    s.add_argument(
+        "--verify",
+        action="store_true",
+        help="train two steps at the plan and report measured peak vs predicted",
+    )
+    s.add_argument(
+        "--json", type=Path, help="also write the plan, its predictions and --verify's result here"
+    )
+    s.add_argument(
+        "--refresh", action="store_true", help="read the dataset again instead of the cached fingerprint"
+    )
     s.set_defaults(func=_plan)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)

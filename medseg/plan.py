@@ -163,7 +163,10 @@ def target_spacing(fp: dict[str, Any]) -> tuple[list[float], str]:
         )
         target[worst] = chosen
         return target, reason
-    return target, f"median spacing of {fp['num_cases']} cases, {_mm(target)} (not anisotropic by nnU-Net's rule)"
+    return (
+        target,
+        f"median spacing of {fp['num_cases']} cases, {_mm(target)} (not anisotropic by nnU-Net's rule)",
+    )
 
 
 def normalisation(fp: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -204,7 +207,9 @@ def _levels(patch: list[int], max_levels: int) -> int:
     return n
 
 
-def model_section(net: str, device: str, patch: list[int], spacing: list[float]) -> tuple[dict[str, Any], str]:
+def model_section(
+    net: str, device: str, patch: list[int], spacing: list[float]
+) -> tuple[dict[str, Any], str]:
     """The ``model`` mapping for ``net`` at ``patch`` and why."""
     small = device == "cpu"
     if net == "unet":
@@ -275,7 +280,13 @@ def _params(net_def: dict[str, Any]) -> int:
 
 
 def run_measure(
-    net_def: dict[str, Any], shape: list[int], batch: int, variant: str, device: str, classes: int, steps: int = 1
+    net_def: dict[str, Any],
+    shape: list[int],
+    batch: int,
+    variant: str,
+    device: str,
+    classes: int,
+    steps: int = 1,
 ) -> dict[str, Any]:
     """One :mod:`medseg.kernels.measure` run in a fresh process (the only honest peak; docs/design.md)."""
     cmd = [sys.executable, "-m", "medseg.kernels.measure", "--net", "unet", "--variant", variant]
@@ -446,7 +457,9 @@ def plan(
     coarsened = False
     for _ in range(60):
         median_shape = _median_at(fp, spacing)
-        patch, params, bound = _fit_patch(base, net, device, spacing, median_shape, mm, budget, time_per_step, classes)
+        patch, params, bound = _fit_patch(
+            base, net, device, spacing, median_shape, mm, budget, time_per_step, classes
+        )
         cover = math.prod(patch) / math.prod(median_shape)
         if cover >= MIN_COVER or bound == "the median image fits whole":
             break
@@ -577,21 +590,32 @@ def _memory_text(mm: MemoryModel, params: int, vox: int, step: float, total: flo
 
 
 def _plan_classification(
-    fp: dict[str, Any], base: dict[str, Any], comments: dict[str, str], budget: float, device: str, memory_gb: float
+    fp: dict[str, Any],
+    base: dict[str, Any],
+    comments: dict[str, str],
+    budget: float,
+    device: str,
+    memory_gb: float,
 ) -> Plan:
     spacing = base["transforms"]["spacing"]
     ext = fp.get("object_extent_mm") or [None] * 3
     if not all(ext):
-        raise MedsegError(f"{fp['dataset']}: no object found in the images (Otsu threshold); cannot plan a crop")
+        raise MedsegError(
+            f"{fp['dataset']}: no object found in the images (Otsu threshold); cannot plan a crop"
+        )
     side_vox = max(e["max"] / s for e, s in zip(ext, spacing))
     side = int(math.ceil(min(max(side_vox, 16), 128) / 8) * 8)
     cfg = json.loads(json.dumps(base))
     cfg["transforms"].update({"patch": [side] * 3, "roi": "object"})
-    cfg["model"] = {"name": "resnet", "depth": 10, "width": 0.5, "norm": "batch"} if device == "cpu" else {
-        "name": "resnet",
-        "depth": 18,
-        "norm": "batch",
-    }
+    cfg["model"] = (
+        {"name": "resnet", "depth": 10, "width": 0.5, "norm": "batch"}
+        if device == "cpu"
+        else {
+            "name": "resnet",
+            "depth": 18,
+            "norm": "batch",
+        }
+    )
     cfg["train"].update({"epochs": 16 if device == "cpu" else 100, "batch_size": 8, "lr": 0.001, "seed": 0})
     comments["transforms.patch"] = (
         f"cube holding the largest object bounding box ({_mm([e['max'] for e in ext])}) at the target spacing, "
@@ -637,7 +661,9 @@ def to_yaml(p: Plan) -> str:
             why = c.get(f"{section}.{key}")
             if why:
                 out += _wrap(why, "  ")
-            dumped = yaml.safe_dump({key: value}, default_flow_style=None, sort_keys=False).rstrip().splitlines()
+            dumped = (
+                yaml.safe_dump({key: value}, default_flow_style=None, sort_keys=False).rstrip().splitlines()
+            )
             out += ["  " + line for line in dumped]
     return "\n".join(out) + "\n"
 
@@ -671,7 +697,9 @@ def verify(p: Plan) -> dict[str, Any]:
     cfg = config_from_dict(p.config)
     classes = len(p.fingerprint["labels"])
     nd = _net_def(cfg, classes)
-    r = run_measure(nd, list(cfg.transforms.patch), cfg.train.batch_size, p.memory.variant, p.device, classes, 1)
+    r = run_measure(
+        nd, list(cfg.transforms.patch), cfg.train.batch_size, p.memory.variant, p.device, classes, 1
+    )
     measured_total = r["peak_bytes"] + r["static_bytes"]
     result = {
         "net": cfg.model.name,

@@ -163,7 +163,9 @@ def _classification_view(cfg: Config) -> list:
     patch = list(cfg.transforms.patch)
     if cfg.transforms.roi == "object":
         return [
-            mt.CropForegroundd("image", source_key="image", select_fn=ObjectMask(), margin=2, allow_smaller=True),
+            mt.CropForegroundd(
+                "image", source_key="image", select_fn=ObjectMask(), margin=2, allow_smaller=True
+            ),
             mt.Resized("image", spatial_size=min(patch), size_mode="longest", mode="trilinear"),
             mt.ResizeWithPadOrCropd("image", spatial_size=patch),
         ]

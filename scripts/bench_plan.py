@@ -33,7 +33,9 @@ def main() -> None:
     out: dict = {"dataset": str(args.dataset), "verify": {}, "fused": None}
     for net in args.nets:
         t0 = time.monotonic()
-        pl = plan(args.dataset, memory_gb=BUDGET_GB[net], device="cpu", net=net, time_s=0, name=f"bench-{net}")
+        pl = plan(
+            args.dataset, memory_gb=BUDGET_GB[net], device="cpu", net=net, time_s=0, name=f"bench-{net}"
+        )
         v = verify(pl)
         v["plan_s"] = round(time.monotonic() - t0, 1)
         v["probes"] = [vars(pr) for pr in pl.memory.probes]
@@ -54,7 +56,9 @@ def main() -> None:
                 "bytes_per_batch_voxel": pl.memory.b,
                 "verify": v,
             }
-            print(f"{'fused' if fused else 'baseline'}: {res['fused' if fused else 'baseline']['patch']}; {format_verify(v)}")
+            print(
+                f"{'fused' if fused else 'baseline'}: {res['fused' if fused else 'baseline']['patch']}; {format_verify(v)}"
+            )
         res["volume_ratio"] = res["fused"]["voxels"] / res["baseline"]["voxels"]
         res["budget_gb"] = args.fused_budget_gb
         out["fused"] = res

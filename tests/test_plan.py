@@ -72,7 +72,11 @@ def test_fingerprint_facts_and_cache(seg_data: Path, tmp_path: Path) -> None:
 def test_target_spacing_follows_nnunet_anisotropy_rule() -> None:
     from medseg.plan import target_spacing
 
-    thick = {"median_spacing": [0.7, 0.7, 5.0], "median_shape": [512, 512, 40], "spacing_p10": [0.6, 0.6, 3.0]}
+    thick = {
+        "median_spacing": [0.7, 0.7, 5.0],
+        "median_shape": [512, 512, 40],
+        "spacing_p10": [0.6, 0.6, 3.0],
+    }
     thick["num_cases"] = 10
     spacing, why = target_spacing(thick)
     assert spacing == [0.7, 0.7, 3.0] and "10th percentile" in why
@@ -92,7 +96,9 @@ def test_normalisation_schemes_do_their_maths() -> None:
     x = torch.tensor([[[[-1000.0, 0.0, 50.0, 120.0, 400.0, 3000.0]]]])
     ct = tf.intensity_array(_cfg(scheme="ct", clip=[0.0, 400.0], mean=100.0, std=50.0))(x).as_tensor()
     assert torch.allclose(ct, (x.clamp(0.0, 400.0) - 100.0) / 50.0)
-    window = tf.intensity_array(_cfg())(x).as_tensor()  # old configs: the fixed window [-200, 300] onto [0, 1]
+    window = tf.intensity_array(_cfg())(
+        x
+    ).as_tensor()  # old configs: the fixed window [-200, 300] onto [0, 1]
     assert torch.allclose(window, ((x + 200.0) / 500.0).clamp(0, 1))
     mr = torch.tensor([[[[0.0, 0.0, 10.0, 20.0, 30.0]]]])
     z = tf.intensity_array(_cfg(scheme="zscore"))(mr.clone()).as_tensor()  # MONAI works in place
@@ -170,7 +176,12 @@ def test_plan_writes_a_trainable_config_and_verify_holds(seg_data: Path, tmp_pat
     cfg = load_config(out)
     assert cfg.transforms.normalize.scheme == "ct"
     assert cfg.transforms.spacing == pytest.approx([0.8, 0.8, 2.4])
-    for fact in ("median spacing", "foreground 0.5/99.5 percentiles", "bytes per batch voxel", "bound by memory"):
+    for fact in (
+        "median spacing",
+        "foreground 0.5/99.5 percentiles",
+        "bytes per batch voxel",
+        "bound by memory",
+    ):
         assert fact in text, fact
     raw = yaml.safe_load(text)
     assert raw["transforms"]["normalize"]["clip"][0] == pytest.approx(
