@@ -635,8 +635,6 @@ def _plan_classification(
 
 def to_yaml(p: Plan) -> str:
     """The config as YAML, each planned choice preceded by a comment naming its facts."""
-    import yaml
-
     c = p.comments
     out = [
         f"# Planned by `medseg plan` for {p.fingerprint['dataset']} ({p.fingerprint['num_cases']} training cases, "
@@ -650,7 +648,7 @@ def to_yaml(p: Plan) -> str:
         out += _wrap(note, "")
     cfg = p.config
     for section in ("name", "task"):
-        out.append(yaml.safe_dump({section: cfg[section]}, default_flow_style=None).strip())
+        out.append(f"{section}: {_scalar(cfg[section])}")
     for section in ("data", "transforms", "model", "train", "infer"):
         if section not in cfg:
             continue
@@ -661,11 +659,17 @@ def to_yaml(p: Plan) -> str:
             why = c.get(f"{section}.{key}")
             if why:
                 out += _wrap(why, "  ")
-            dumped = (
-                yaml.safe_dump({key: value}, default_flow_style=None, sort_keys=False).rstrip().splitlines()
-            )
-            out += ["  " + line for line in dumped]
+            if isinstance(value, dict):
+                out.append(f"  {key}:")
+                out += [f"    {k}: {_scalar(v)}" for k, v in value.items()]
+            else:
+                out.append(f"  {key}: {_scalar(value)}")
     return "\n".join(out) + "\n"
+
+
+def _scalar(value: Any) -> str:
+    """A scalar or a flat list in YAML flow form (JSON is YAML)."""
+    return json.dumps(value)
 
 
 def _wrap(text: str, indent: str, width: int = 100) -> list[str]:
