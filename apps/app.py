@@ -78,7 +78,7 @@ def sidebar_models() -> ModelInfo | None:
         f"**Trained on** {info.modality or 'images'}, resampled to "
         f"{' × '.join(f'{s:g}' for s in info.spacing)} mm  \n"
         f"**Patch** {' × '.join(str(p) for p in info.patch)}  \n"
-        f"**Model input window** {info.window[0]:g} … {info.window[1]:g} "
+        f"**Model input** {info.intensity or f'window {info.window[0]:g} … {info.window[1]:g}'} "
         "(fixed by training; the display window below does not change it)"
     )
     facts = cached_facts(info)

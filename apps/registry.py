@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from medseg.bundle import find_bundle, read_settings
-from medseg.errors import RunError
+from medseg.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class ModelInfo:
     n_val: int | None = None
     best_epoch: int | None = None
     evaluations: tuple[dict[str, Any], ...] = ()
+    intensity: str = ""  # how the model normalises intensities (transforms.normalize), in words
 
     @property
     def title(self) -> str:
@@ -80,8 +81,9 @@ def read_info(path: str | Path) -> ModelInfo:
             n_val=len(val["cases"]) if isinstance(val.get("cases"), list) else None,
             best_epoch=val.get("best_epoch"),
             evaluations=tuple(_evaluations(root.parent)),
+            intensity=_intensity(cfg),
         )
-    except (OSError, KeyError, TypeError, ValueError) as e:
+    except (OSError, KeyError, TypeError, ValueError, ConfigError) as e:
         raise RunError(f"{root}: bundle metadata is incomplete ({type(e).__name__}: {e})") from None
 
 
@@ -120,6 +122,13 @@ def _evaluations(run_dir: Path) -> list[dict[str, Any]]:
         except (OSError, ValueError, TypeError, AttributeError) as e:
             log.warning("%s: not read (%s)", p, e)
     return found
+
+
+def _intensity(cfg: dict[str, Any]) -> str:
+    from medseg.bundle import intensity_text
+    from medseg.config import config_from_dict
+
+    return intensity_text(config_from_dict(cfg))
 
 
 def list_models(folders: list[str | Path]) -> tuple[list[ModelInfo], list[str]]:

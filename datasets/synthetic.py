@@ -7,6 +7,14 @@ volume in Hounsfield units (air -1000, soft tissue ~20, class 1 ~110, class 2 ~2
 with 0.8 x 0.8 x 2.4 mm voxels stored in LPS orientation (the affine flips x and y), as CT converted
 from DICOM usually is.
 
+Segmentation, ``modality="mr"``: the same geometry and labels, with MR-like intensities that have no
+physical unit. Relative signal: air 0, tissue 1, class 1 (organ) 1.7, class 2 (lesion) 0.55 (darker
+than tissue, unlike CT). Each case is multiplied by a smooth bias field ``exp(b(x))`` (``b`` a random
+quadratic polynomial of the normalised coordinates, about +-25% over the body, the coil's
+non-uniformity), given complex Gaussian noise and stored as its magnitude (Rician noise, so air is not
+zero), then scaled by a random per-case factor, log-uniform in [150, 3000] (scanners and protocols
+put MR on arbitrary intensity scales). A fixed CT window cannot fit every case; a z-score per image can.
+
 Classification: one object per volume, a ball (class 0) or a randomly rotated cube of the same
 volume and intensity (class 1). Mean intensity and object volume do not tell the classes apart; a
 3D CNN must look at the shape.
@@ -31,6 +39,8 @@ log = logging.getLogger(__name__)
 SEG_LABELS = {"0": "background", "1": "organ", "2": "lesion"}
 CLS_LABELS = {"0": "sphere", "1": "cube"}
 _HU = {"air": -1000.0, "tissue": 20.0, 1: 110.0, 2: 220.0}
+_MR = {"air": 0.0, "tissue": 1.0, 1: 1.7, 2: 0.55}  # relative signal, no unit
+MODALITIES = ("ct", "mr")
 
 
 def _lps_affine(spacing: tuple[float, float, float], shape: tuple[int, int, int]) -> np.ndarray:
@@ -118,10 +128,25 @@ def _bias_field(rs: np.random.RandomState, shape: tuple[int, ...]) -> np.ndarray
     return field / (np.abs(field).max() + 1e-9)
 
 
+def _mr_bias_field(rs: np.random.RandomState, shape: tuple[int, ...], strength: float = 0.25) -> np.ndarray:
+    """exp(b) with b a random quadratic polynomial of coordinates in [-1, 1], |b| <= about ``strength``."""
+    axes = np.meshgrid(*[np.linspace(-1.0, 1.0, n) for n in shape], indexing="ij")
+    terms = [np.ones(shape)] + list(axes) + [a * b for i, a in enumerate(axes) for b in axes[i:]]
+    coeffs = rs.uniform(-1.0, 1.0, len(terms))
+    field = sum(c * t for c, t in zip(coeffs, terms))
+    field *= strength / max(float(np.abs(field).max()), 1e-6)
+    return np.exp(field)
+
+
 def _seg_case(
-    rs: np.random.RandomState, size: int, z_factor: int, noise: float, scanner: Scanner | None = None
+    rs: np.random.RandomState,
+    size: int,
+    z_factor: int,
+    noise: float,
+    scanner: Scanner | None = None,
+    modality: str = "ct",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One CT-like volume and its label map (2 foreground classes, both present)."""
+    """One CT-like (or MR-like) volume and its label map (2 foreground classes, both present)."""
     small = scanner is not None and scanner.small > 0 and rs.uniform() < scanner.small
     while True:
         _, labels = create_test_image_3d(
@@ -140,15 +165,22 @@ def _seg_case(
         labels = labels * body2d[:, :, None]
         if {1, 2} <= set(np.unique(labels).tolist()):
             break
-    image = np.full(labels.shape, _HU["air"], dtype=np.float32)
-    image[np.broadcast_to(body2d[:, :, None], labels.shape)] = _HU["tissue"]
+    values = _MR if modality == "mr" else _HU
+    image = np.full(labels.shape, values["air"], dtype=np.float32)
+    image[np.broadcast_to(body2d[:, :, None], labels.shape)] = values["tissue"]
     for cls in (1, 2):
-        image[labels == cls] = _HU[cls]
+        image[labels == cls] = values[cls]
     image = gaussian_filter(image, sigma=0.8)
     # Thick slices: average groups of z_factor thin slices; the label takes the middle one.
     depth = size // z_factor
     image = image[:, :, : depth * z_factor].reshape(size, size, depth, z_factor).mean(axis=3)
     labels = labels[:, :, z_factor // 2 :: z_factor][:, :, :depth]
+    if modality == "mr":
+        image = image * _mr_bias_field(rs, image.shape)
+        sigma = 0.06  # of the tissue signal; magnitude of complex noise: Rician
+        image = np.hypot(image + rs.normal(0.0, sigma, image.shape), rs.normal(0.0, sigma, image.shape))
+        scale = float(np.exp(rs.uniform(np.log(150.0), np.log(3000.0))))
+        return np.round(image * scale).astype(np.int16), labels.astype(np.uint8)
     if scanner is not None:
         field = 1.0 + scanner.bias * _bias_field(rs, image.shape) if scanner.bias else 1.0
         image = scanner.scale * image * field + scanner.offset
@@ -157,7 +189,14 @@ def _seg_case(
 
 
 def _finish(
-    out: Path, name: str, task: str, description: str, labels: dict, training: list, test: list
+    out: Path,
+    name: str,
+    task: str,
+    description: str,
+    labels: dict,
+    training: list,
+    test: list,
+    modality: str = "CT",
 ) -> Path:
     """Write ``dataset.json`` for the cases already saved under ``out``."""
     write_dataset_json(
@@ -167,7 +206,7 @@ def _finish(
             "description": description,
             "task": task,
             "tensorImageSize": "3D",
-            "modality": {"0": "CT"},
+            "modality": {"0": modality},
             "labels": labels,
             "numTraining": len(training),
             "numTest": len(test),
@@ -188,11 +227,14 @@ def make_seg_dataset(
     z_factor: int = 3,
     noise: float = 20.0,
     scanner: Scanner | None = None,
+    modality: str = "ct",
 ) -> Path:
-    """Write a synthetic CT segmentation dataset in Decathlon layout and return its folder.
+    """Write a synthetic CT (or, with ``modality="mr"``, MR) segmentation dataset in Decathlon layout.
 
     ``scanner`` (:class:`Scanner`) changes intensities, noise, bias field, voxel size, orientation
     and case mix; its ``noise`` and ``z_factor`` then replace the arguments of the same name."""
+    if modality not in MODALITIES:
+        raise ValueError(f"modality must be one of {MODALITIES}, got {modality!r}")
     out = Path(out_dir)
     rs = np.random.RandomState(seed)
     if scanner is not None:
@@ -202,7 +244,7 @@ def make_seg_dataset(
     spacing = (inplane, inplane, inplane * z_factor)
     training, test = [], []
     for i in tqdm(range(n_train + n_test), desc="synth-seg", unit="case", leave=False):
-        image, label = _seg_case(rs, size, z_factor, noise, scanner)
+        image, label = _seg_case(rs, size, z_factor, noise, scanner, modality)
         affine = _lps_affine(spacing, image.shape)
         if scanner is not None and scanner.orientation.upper() != "LPS":
             image, label, affine = _reorient(image, label, affine, scanner.orientation.upper())
@@ -214,12 +256,16 @@ def make_seg_dataset(
         else:
             save_nifti(image, affine, out / "imagesTs" / name)
             test.append(f"./imagesTs/{name}")
+    kind = "MR (bias field, Rician noise, arbitrary scale per case)" if modality == "mr" else "CT"
     description = (
-        f"medseg synthetic CT, seed {seed}: 2 blob classes in a body, "
+        f"medseg synthetic {kind}, seed {seed}: 2 blob classes in a body, "
         f"{inplane:g}x{inplane:g}x{spacing[2]:.1f} mm, {scanner.orientation if scanner else 'LPS'}"
         + (f", scanner {asdict(scanner)}" if scanner is not None else "")
     )
-    return _finish(out, "SynthCT", "segmentation", description, SEG_LABELS, training, test)
+    name = "SynthMR" if modality == "mr" else "SynthCT"
+    return _finish(
+        out, name, "segmentation", description, SEG_LABELS, training, test, modality=modality.upper()
+    )
 
 
 def _reorient(

@@ -82,11 +82,25 @@ def _checkpoint_blocks(model: nn.Module) -> int:
 
 
 def prepare(
-    net: str, variant: str, patch: int, device: torch.device, width: float = 1.0, classes: int = 3
+    net: str,
+    variant: str,
+    patch: int,
+    device: torch.device,
+    width: float = 1.0,
+    classes: int = 3,
+    net_def: dict | None = None,
 ) -> tuple[nn.Module, Callable]:
-    """The model for ``variant`` and the callable that runs its forward pass."""
+    """The model for ``variant`` and the callable that runs its forward pass.
+
+    ``net_def`` (a MONAI ``network_def`` mapping, as ``medseg plan`` writes) replaces the default
+    network of ``net``."""
     torch.manual_seed(0)
-    model = build_net(net, patch, width, classes).to(device).train()
+    if net_def is not None:
+        from medseg.models import build_network
+
+        model = build_network(net_def).to(device).train()
+    else:
+        model = build_net(net, patch, width, classes).to(device).train()
     forward: Callable = model
     if variant == "fused":
         from medseg.kernels import optimize_memory
@@ -131,11 +145,14 @@ def saved_bytes_split(
     return net, total - net
 
 
-def labels_like(batch: int, patch: int, classes: int, gen: torch.Generator) -> torch.Tensor:
-    """Float (N, 1, p, p, p) class maps of smooth random blobs (argmax of an upsampled noise field)."""
+def labels_like(
+    batch: int, patch: int | tuple[int, int, int], classes: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Float (N, 1, *patch) class maps of smooth random blobs (argmax of an upsampled noise field)."""
+    shape = (patch,) * 3 if isinstance(patch, int) else tuple(patch)
     coarse = torch.randn(batch, classes, 4, 4, 4, generator=gen)
     coarse[:, 0] += 1.0  # a larger background, as in real volumes
-    field = torch.nn.functional.interpolate(coarse, size=(patch,) * 3, mode="trilinear", align_corners=False)
+    field = torch.nn.functional.interpolate(coarse, size=shape, mode="trilinear", align_corners=False)
     return field.argmax(1, keepdim=True).float()
 
 
@@ -206,11 +223,18 @@ def measure(
     device: torch.device,
     width: float = 1.0,
     classes: int = 3,
+    net_def: dict | None = None,
+    shape: tuple[int, int, int] | None = None,
 ) -> dict:
-    """Saved bytes (network, loss), phase peaks and breakdown of the first timed step, median step_s."""
+    """Saved bytes (network, loss), phase peaks and breakdown of the first timed step, median step_s.
+
+    ``shape`` (a non-cubic patch) replaces ``patch``³; ``net_def`` replaces the default network.
+    ``static_bytes`` is what lives beside the step and is counted, not measured: weights and AdamW's
+    two moment buffers (``12`` bytes per parameter) and the input batch with its labels."""
     from monai.losses import DiceCELoss
 
-    model, forward = prepare(net, variant, patch, device, width, classes)
+    shape = tuple(shape) if shape else (patch,) * 3
+    model, forward = prepare(net, variant, patch, device, width, classes, net_def)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4)
     if variant == "fused":
@@ -220,8 +244,8 @@ def measure(
     else:
         loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, 1, patch, patch, patch, generator=gen).to(device)
-    y = labels_like(batch, patch, classes, gen).to(device)
+    x = torch.randn(batch, 1, *shape, generator=gen).to(device)
+    y = labels_like(batch, shape, classes, gen).to(device)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -243,13 +267,15 @@ def measure(
     for _ in range(2 if variant == "compile" else 1):  # warm-up: optimizer state, compilation
         step()
     times: list[float] = []
+    cpu_times: list[float] = []  # process CPU seconds (all threads): what the step costs, load or not
 
     def timed_step(meter: PhaseMeter | None = None) -> None:
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step(meter)
         sync()
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
 
     meter = PhaseMeter(device)
     meter.begin()
@@ -257,12 +283,13 @@ def measure(
     phases = dict(meter.peaks)
     peak = max(phases.values())
     times.clear()
+    cpu_times.clear()
     for _ in range(steps):
         timed_step()
     opt.zero_grad(set_to_none=True)
     net_saved, loss_saved = saved_bytes_split(forward, params, x, loss_fn, y)
     grads = sum(p.numel() * p.element_size() for p in params)
-    logits = batch * classes * patch**3 * x.element_size()
+    logits = batch * classes * x[0, 0].numel() * x.element_size()
     peak_phase = max(phases, key=phases.get)
     breakdown = {
         "peak_phase": peak_phase,
@@ -280,8 +307,15 @@ def measure(
         "phase_peaks": phases,
         "breakdown": breakdown,
         "step_s": statistics.median(times),
+        "step_cpu_s": statistics.median(cpu_times),
         "steps": steps,
         "classes": classes,
+        "shape": list(shape),
+        "batch": batch,
+        "params": sum(p.numel() for p in params),
+        "static_bytes": 12 * sum(p.numel() for p in params)
+        + x.numel() * x.element_size()
+        + y.numel() * y.element_size(),
     }
 
 
@@ -296,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--width", type=float, default=1.0, help="channel multiplier of the network")
     p.add_argument("--classes", type=int, default=3, help="output classes (labels drawn from all of them)")
+    p.add_argument("--shape", type=int, nargs=3, help="a patch of this shape instead of --patch cubed")
+    p.add_argument("--net-def", help="MONAI network_def as JSON, instead of --net's default network")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -308,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.device(args.device),
         args.width,
         args.classes,
+        json.loads(args.net_def) if args.net_def else None,
+        tuple(args.shape) if args.shape else None,
     )
     if args.variant == "fused":
         from medseg.kernels.dispatch import backend_name

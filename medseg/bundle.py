@@ -126,7 +126,8 @@ def _metadata(
     n = len(labels)
     modality = _modality(validation)
     channel_def = {str(k): v for k, v in labels.items()}
-    packages = {name: _version(name) for name in ("nibabel", "pytorch-ignite", "fire")}
+    needs = ("nibabel", "pytorch-ignite", "fire") + (("scipy",) if not seg and t.roi == "object" else ())
+    packages = {name: _version(name) for name in needs}  # scipy: the object crop's smoothing
     return {
         "schema": SCHEMA,
         "version": "0.1.0",
@@ -152,8 +153,7 @@ def _metadata(
         "data_type": "nifti",
         "intended_use": "Research and development only; not for clinical decisions.",
         "image_classes": (
-            f"one channel, oriented RAS, resampled to {list(t.spacing)} mm, intensities {list(t.window)} "
-            "windowed linearly onto [0, 1] and clipped"
+            f"one channel, oriented RAS, resampled to {list(t.spacing)} mm, intensities {intensity_text(cfg)}"
         ),
         "label_classes": ", ".join(f"{k} is {v}" for k, v in labels.items()),
         "pred_classes": f"{n} channels (logits), one per class; the label is the channel with the largest value",
@@ -161,9 +161,10 @@ def _metadata(
             "orientation": "RAS",
             "spacing_mm": list(t.spacing),
             "spacing_interpolation": "bilinear",
-            "intensity": {"window": list(t.window), "to_range": [0.0, 1.0], "clip": True},
+            "intensity": _intensity_meta(cfg),
             "foreground_crop": False,  # training crops to the body; inference runs on the whole volume
             "resize_to": None if seg else list(t.patch),
+            "classification_view": None if seg else t.roi,
         },
         "inference": {
             "inferer": "sliding window" if seg else "whole volume",
@@ -186,7 +187,7 @@ def _metadata(
                     "num_channels": 1,
                     "spatial_shape": list(t.patch),
                     "dtype": "float32",
-                    "value_range": [0, 1],
+                    "value_range": _value_range(cfg),
                     "is_patch_data": seg,
                     "channel_def": {"0": "image"},
                 }
@@ -219,6 +220,68 @@ def _version(package: str) -> str:
         return "unknown"
 
 
+# medseg.transforms.ObjectMask as one MONAI config expression (inference.json never imports medseg):
+# Gaussian smoothing (sigma 1 voxel) per channel, then voxels above the Otsu threshold of 256 bins.
+OBJECT_MASK_EXPR = (
+    "$lambda img: (lambda s: torch.as_tensor(s > (lambda h, e: (lambda p, c: (lambda w, mu: "
+    "e[int(numpy.argmax(numpy.where((w > 0) & (w < 1), (mu[-1] * w - mu) ** 2 / numpy.clip(w * (1 - w), "
+    "1e-300, None), -1.0))) + 1])(numpy.cumsum(p), numpy.cumsum(p * c)))(h / max(h.sum(), 1), "
+    "(e[:-1] + e[1:]) / 2))(*numpy.histogram(s, bins=256))))(numpy.stack([__import__('scipy.ndimage', "
+    "fromlist=['gaussian_filter']).gaussian_filter("
+    "numpy.asarray(ch, dtype=numpy.float32), sigma=1.0) for ch in numpy.asarray(img)]))"
+)
+
+
+def _intensity_step(cfg: Config) -> dict[str, Any]:
+    """MONAI's form of :func:`medseg.transforms.intensity` (the same transform and numbers)."""
+    n, t = cfg.transforms.normalize, cfg.transforms
+    if n.scheme == "zscore":
+        return {"_target_": "NormalizeIntensityd", "keys": "image", "nonzero": True, "channel_wise": True}
+    if n.scheme == "ct":
+        lo, hi = n.clip
+        a_min, a_max, b_min, b_max = lo, hi, (lo - n.mean) / n.std, (hi - n.mean) / n.std
+    else:
+        a_min, a_max, b_min, b_max = t.window[0], t.window[1], 0.0, 1.0
+    return {
+        "_target_": "ScaleIntensityRanged",
+        "keys": "image",
+        "a_min": a_min,
+        "a_max": a_max,
+        "b_min": b_min,
+        "b_max": b_max,
+        "clip": True,
+    }
+
+
+def intensity_text(cfg: Config) -> str:
+    """One line saying how intensities are normalised, for people (bundle README, metadata, viewer)."""
+    n, t = cfg.transforms.normalize, cfg.transforms
+    if n.scheme == "zscore":
+        return "z-scored per image over its non-zero voxels (mean 0, standard deviation 1; zeros kept)"
+    if n.scheme == "ct":
+        return (
+            f"clipped to [{n.clip[0]:g}, {n.clip[1]:g}] (the training set's foreground 0.5-99.5 percentiles), "
+            f"then (x - {n.mean:g}) / {n.std:g} (its foreground mean and standard deviation)"
+        )
+    return f"window {t.window[0]:g} to {t.window[1]:g} mapped linearly onto [0, 1] and clipped"
+
+
+def _intensity_meta(cfg: Config) -> dict[str, Any]:
+    n, t = cfg.transforms.normalize, cfg.transforms
+    if n.scheme == "zscore":
+        return {"scheme": "zscore", "over": "non-zero voxels, per image"}
+    if n.scheme == "ct":
+        return {"scheme": "ct", "clip": list(n.clip), "mean": n.mean, "std": n.std}
+    return {"scheme": "window", "window": list(t.window), "to_range": [0.0, 1.0], "clip": True}
+
+
+def _value_range(cfg: Config) -> list[float]:
+    n = cfg.transforms.normalize
+    if n.scheme == "ct":
+        return [(n.clip[0] - n.mean) / n.std, (n.clip[1] - n.mean) / n.std]
+    return [] if n.scheme == "zscore" else [0, 1]
+
+
 def _preprocessing(cfg: Config) -> dict[str, Any]:
     """MONAI's form of :func:`medseg.transforms.preprocess` after medseg's loader (NIfTI via nibabel)."""
     t = cfg.transforms
@@ -227,16 +290,26 @@ def _preprocessing(cfg: Config) -> dict[str, Any]:
         {"_target_": "EnsureChannelFirstd", "keys": "image"},
         {"_target_": "Orientationd", "keys": "image", "axcodes": "RAS"},
         {"_target_": "Spacingd", "keys": "image", "pixdim": list(t.spacing), "mode": "bilinear"},
-        {
-            "_target_": "ScaleIntensityRanged",
-            "keys": "image",
-            "a_min": t.window[0],
-            "a_max": t.window[1],
-            "b_min": 0.0,
-            "b_max": 1.0,
-            "clip": True,
-        },
+        _intensity_step(cfg),
     ]
+    if cfg.task == "classification" and t.roi == "object":
+        chain += [
+            {
+                "_target_": "CropForegroundd",
+                "keys": "image",
+                "source_key": "image",
+                "select_fn": "@medseg_object_mask",
+                "margin": 2,
+                "allow_smaller": True,
+            },
+            {
+                "_target_": "Resized",
+                "keys": "image",
+                "spatial_size": min(t.patch),
+                "size_mode": "longest",
+                "mode": "trilinear",
+            },
+        ]
     if cfg.task == "classification":
         chain.append({"_target_": "ResizeWithPadOrCropd", "keys": "image", "spatial_size": list(t.patch)})
     chain.append({"_target_": "EnsureTyped", "keys": "image", "track_meta": True})
@@ -321,6 +394,7 @@ def _inference_config(cfg: Config, net: dict[str, Any]) -> dict[str, Any]:
         "num_workers": 0,
         "network_def": net,
         "network": "$@network_def.to(@device)",
+        **({"medseg_object_mask": OBJECT_MASK_EXPR} if not seg and cfg.transforms.roi == "object" else {}),
         "preprocessing": _preprocessing(cfg),
         "dataset": {"_target_": "Dataset", "data": "@datalist", "transform": "@preprocessing"},
         "dataloader": {
@@ -421,8 +495,8 @@ Research and development only; not for clinical decisions.
 ## Input
 
 One 3D volume per case, one channel (modality {_modality(validation)}), as NIfTI (`.nii`, `.nii.gz`).
-Preprocessing: orient to RAS, resample to {list(t.spacing)} mm (bilinear), window intensities
-{t.window[0]} to {t.window[1]} linearly onto [0, 1] and clip{"" if seg else f", pad or crop to {list(t.patch)} voxels"}.
+Preprocessing: orient to RAS, resample to {list(t.spacing)} mm (bilinear), intensities
+{intensity_text(cfg)}{"" if seg else (f", the object's bounding box resized to fit {list(t.patch)} voxels" if t.roi == "object" else f", pad or crop to {list(t.patch)} voxels")}.
 No foreground cropping at inference. The network sees {model_line}.
 
 ## Output

@@ -23,9 +23,17 @@ def _data_synth_seg(args: argparse.Namespace) -> None:
     changes = {k: getattr(args, k) for k in SCANNER_OPTIONS}
     scanner = scanner_with(None, **changes) if any(v is not None for v in changes.values()) else None
     out = make_seg_dataset(
-        args.out, n_train=args.cases, n_test=args.test, seed=args.seed, size=args.size, scanner=scanner
+        args.out,
+        n_train=args.cases,
+        n_test=args.test,
+        seed=args.seed,
+        size=args.size,
+        scanner=scanner,
+        modality=args.modality,
     )
-    print(f"segmentation dataset: {out} ({args.cases} training, {args.test} test cases)")
+    print(
+        f"segmentation dataset ({args.modality.upper()}): {out} ({args.cases} training, {args.test} test cases)"
+    )
 
 
 SCANNER_OPTIONS = {
@@ -170,6 +178,53 @@ def _infer(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def _plan(args: argparse.Namespace) -> None:
+    from medseg.plan import format_verify, plan, verify, write_plan
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available() and (args.verify or args.memory_gb is None):
+            raise ConfigError(
+                "--device cuda: torch sees no CUDA device here, and the memory model is measured on the "
+                "device; plan on the GPU machine, or use --device cpu"
+            )
+    p = plan(
+        args.dataset,
+        memory_gb=args.memory_gb,
+        device=args.device,
+        fused=args.fused,
+        net=args.net,
+        time_s=-1.0 if args.time_s is None else args.time_s,
+        steps=args.steps,
+        name=args.name,
+        refresh=args.refresh,
+    )
+    if args.verify:
+        print(format_verify(verify(p)))
+    out = write_plan(p, args.out)
+    cfg = p.config
+    print(
+        f"plan: {cfg['model']['name']}, spacing {cfg['transforms']['spacing']} mm, patch {cfg['transforms']['patch']}, "
+        f"batch {cfg['train']['batch_size']}, {cfg['train']['epochs']} epochs, "
+        f"normalisation {cfg['transforms']['normalize']['scheme']}"
+    )
+    if args.json:
+        doc = {
+            "config": cfg,
+            "comments": p.comments,
+            "predicted_total_bytes": p.predicted_total,
+            "predicted_step_peak_bytes": p.predicted_step_peak,
+            "predicted_step_s": p.predicted_step_s,
+            "budget_bytes": p.budget_bytes,
+            "params": p.params,
+            "verify": p.verify,
+            "probes": [vars(pr) for pr in p.memory.probes] if p.memory else None,
+        }
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}; train with: medseg train --config {out}")
+
+
 def _app(args: argparse.Namespace) -> None:
     from medseg.apps.launch import serve
 
@@ -292,6 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--cases", type=int, default=cases, help="training cases")
         s.add_argument("--test", type=int, default=2, help="unlabelled test cases")
         s.add_argument("--seed", type=int, default=0)
+        if name == "synth-seg":
+            s.add_argument(
+                "--modality",
+                choices=["ct", "mr"],
+                default="ct",
+                help="ct: Hounsfield units; mr: no unit, arbitrary scale per case, bias field, Rician noise",
+            )
         s.set_defaults(func=fn)
         if name == "synth-seg":
             s.add_argument("--size", type=int, default=96, help="voxels per side before slice thinning")
@@ -354,6 +416,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.epochs=5")
     s.set_defaults(func=_train)
+
+    s = sub.add_parser(
+        "plan",
+        help="fingerprint a dataset and write a config fitted to it and to a memory (and time) budget",
+    )
+    s.add_argument("dataset", type=Path, help="dataset folder (dataset.json, Decathlon layout)")
+    s.add_argument("--out", type=Path, required=True, help="config YAML to write, e.g. configs/NAME.yaml")
+    s.add_argument(
+        "--memory-gb",
+        type=float,
+        help="memory budget of a training step (default: half the free RAM up to 8, or 90%% of the GPU)",
+    )
+    s.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where it will train (and is measured)"
+    )
+    s.add_argument(
+        "--fused", action="store_true", help="plan for train.memory=fused (measured with the fused kernels)"
+    )
+    s.add_argument(
+        "--net", choices=["unet", "segresnet", "dynunet"], help="default: unet on cpu, dynunet on cuda"
+    )
+    s.add_argument(
+        "--time-s",
+        type=float,
+        help="wall seconds of training steps the plan must fit (default on cpu: the demo's compute, measured as an anchor in the same run; 0 = no limit; cuda: none)",
+    )
+    s.add_argument(
+        "--steps", type=int, help="training steps to plan for (default 1000 on cpu, 25000 on cuda)"
+    )
+    s.add_argument("--name", help="run name (default plan-<dataset folder>)")
+    s.add_argument(
+        "--verify",
+        action="store_true",
+        help="train two steps at the plan and report measured peak vs predicted",
+    )
+    s.add_argument(
+        "--json", type=Path, help="also write the plan, its predictions and --verify's result here"
+    )
+    s.add_argument(
+        "--refresh", action="store_true", help="read the dataset again instead of the cached fingerprint"
+    )
+    s.set_defaults(func=_plan)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     s = bench.add_parser(

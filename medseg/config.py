@@ -32,6 +32,25 @@ class DataConfig:
 
 
 @dataclass
+class NormalizeConfig:
+    """How image intensities become network input (:func:`medseg.transforms.intensity`).
+
+    - ``window``: ``transforms.window`` [a, b] mapped linearly onto [0, 1] and clipped (the default,
+      what every config before planning did);
+    - ``ct``: clipped to [clip[0], clip[1]] (the dataset's foreground 0.5 and 99.5 percentiles), then
+      ``(x - mean) / std`` with the dataset's foreground mean and standard deviation (nnU-Net's CT
+      scheme; all four numbers come from the fingerprint, ``medseg plan`` writes them);
+    - ``zscore``: per image, ``(x - mean) / std`` over the image's non-zero voxels, zeros left at 0
+      (MR and every modality without a physical unit).
+    """
+
+    scheme: Literal["window", "ct", "zscore"] = "window"
+    clip: list[float] = field(default_factory=list)  # ct: [low, high] foreground percentiles
+    mean: float = 0.0  # ct: foreground mean (after nothing; in the image's own unit)
+    std: float = 1.0  # ct: foreground standard deviation
+
+
+@dataclass
 class TransformConfig:
     spacing: list[float] = field(default_factory=lambda: [1.5, 1.5, 2.5])  # mm, target voxel size
     window: list[float] = field(default_factory=lambda: [-200.0, 300.0])  # intensity a_min, a_max -> [0, 1]
@@ -41,6 +60,11 @@ class TransformConfig:
     neg: float = 1.0
     crop_foreground: bool = True
     augment: bool = True
+    normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
+    # classification: what the network sees. centre: the volume padded or cropped about its centre to
+    # ``patch``; object: the bounding box of the image's object (Otsu threshold of a smoothed copy),
+    # resized to fit ``patch`` whole (aspect kept), then padded.
+    roi: Literal["centre", "object"] = "centre"
 
 
 @dataclass
@@ -209,6 +233,15 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"{key}: expected three positive numbers, got {vals}")
     if len(t.window) != 2 or t.window[0] >= t.window[1]:
         raise ConfigError(f"transforms.window: expected [low, high] with low < high, got {t.window}")
+    n = t.normalize
+    if n.scheme == "ct":
+        if len(n.clip) != 2 or n.clip[0] >= n.clip[1]:
+            raise ConfigError(
+                f"transforms.normalize.clip: scheme ct needs [low, high] with low < high, got {n.clip}; "
+                "`medseg plan` writes the dataset's foreground percentiles here"
+            )
+        if not n.std > 0:
+            raise ConfigError(f"transforms.normalize.std: must be positive, got {n.std}")
     nets = SEG_NETS if cfg.task == "segmentation" else CLS_NETS
     if m.name not in nets:
         raise ConfigError(f"model.name: {m.name!r} is not a {cfg.task} network; allowed: {', '.join(nets)}")

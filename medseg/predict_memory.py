@@ -190,7 +190,7 @@ def model_input(cfg: Config, image: MetaTensor) -> tuple[torch.Tensor, np.ndarra
     The geometry (model-grid shape and affine) comes from MONAI's own ``Orientation`` and ``Spacing``
     run lazily on a zero-stride stand-in, so it is theirs exactly; the samples come from
     :func:`medseg.resample.resample_to_model` (float64 like ``Spacing``, in slabs, no copy of the input)
-    and are windowed by MONAI's ``ScaleIntensityRange``. A map that is not axis-aligned falls back to
+    and are normalised by :func:`medseg.transforms.intensity_array` (``transforms.normalize``). A map that is not axis-aligned falls back to
     MONAI's transforms.
     """
     from monai import transforms as mt
@@ -209,8 +209,7 @@ def model_input(cfg: Config, image: MetaTensor) -> tuple[torch.Tensor, np.ndarra
         data = tf.preprocess(cfg)({"image": image})["image"]
         return data.as_tensor(), np.asarray(data.affine, dtype=np.float64)
     x = resample_to_model(image.as_tensor() if isinstance(image, MetaTensor) else image, m, shape)
-    window = mt.ScaleIntensityRange(a_min=t.window[0], a_max=t.window[1], b_min=0.0, b_max=1.0, clip=True)
-    x = window(x)
+    x = tf.intensity_array(cfg)(x)
     return (x.as_tensor() if isinstance(x, MetaTensor) else x), affine
 
 

@@ -52,14 +52,19 @@ def test_resume_repeats_the_uninterrupted_run(seg_data: Path, tmp_path: Path) ->
     assert (part.run_dir / "bundle" / "models" / "model.pt").is_file()
 
 
-def test_stop_at_ends_training_once_the_metric_is_reached_after_min_epochs(seg_data: Path, tmp_path: Path) -> None:
+def test_stop_at_ends_training_once_the_metric_is_reached_after_min_epochs(
+    seg_data: Path, tmp_path: Path
+) -> None:
     # any Dice above 0 reaches the target at epoch 1, but not before min_epochs = 2
     result = train(
-        tiny_seg_config(seg_data, tmp_path, name="early", epochs=6, stop_at=1e-6, min_epochs=2), progress=False
+        tiny_seg_config(seg_data, tmp_path, name="early", epochs=6, stop_at=1e-6, min_epochs=2),
+        progress=False,
     )
     records = read_metrics(result.run_dir / "metrics.jsonl")
     assert [r["epoch"] for r in records] == [1, 2] and result.epochs == 2
-    assert (result.run_dir / "bundle" / "models" / "model.pt").is_file()  # a finished run, not an interrupted one
+    assert (
+        result.run_dir / "bundle" / "models" / "model.pt"
+    ).is_file()  # a finished run, not an interrupted one
     # a target never reached trains every epoch
     result = train(tiny_seg_config(seg_data, tmp_path, name="never", epochs=2, stop_at=1.01), progress=False)
     assert [r["epoch"] for r in read_metrics(result.run_dir / "metrics.jsonl")] == [1, 2]
