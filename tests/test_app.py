@@ -402,7 +402,8 @@ def test_replace_upload_names_uids_messages_and_trust(
     assert (
         "Measured on 2 validation case(s) of SynthCT (synthetic data); trained on 6 other case(s)" in sidebar
     )
-    assert "Model input window** -150 … 250" in sidebar
+    # the model's own input normalisation, labelled apart from the display window
+    assert "**Model input** window -150 to 250" in sidebar and "fixed by training" in sidebar
 
     # an image unlike the training data: MR intensities, 2 mm voxels, a wider field of view
     anatomical = Path(nib.__file__).parent / "tests" / "data" / "anatomical.nii"
