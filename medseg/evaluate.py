@@ -122,11 +122,16 @@ def evaluate(
     run_dir = bundle.path.parent
     name = Path(data_dir).name if data_dir is not None else "val"
     out = run_dir / f"eval-{name}.json"
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
+    _write_json(out, result)
     result["path"] = str(out)
     return result
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    """Write ``obj`` as JSON under a temporary name beside ``path``, then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def format_result(result: dict[str, Any]) -> str:
@@ -186,9 +191,7 @@ def evaluate_sites(
     out = {"run": str(run), "task": task, "sites": per_site, "pooled": {**pooled, "cases": len(rows)}}
     bundle_dir = load_bundle(run).path.parent
     path = bundle_dir / "eval-sites.json"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(out, indent=2) + "\n")
-    os.replace(tmp, path)
+    _write_json(path, out)
     out["path"] = str(path)
     return out
 
