@@ -39,6 +39,18 @@ needs_host = pytest.mark.skipif(
 )
 
 
+def _start_job(tb: sites.Testbed, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """``medseg train ...`` launched the way the testbed's launcher runs it, output captured."""
+    return subprocess.Popen(
+        tb.launcher_prefix() + argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+
+
 def test_specs_parse_and_name_what_is_wrong() -> None:
     assert sites.parse_wan("20mbit:25ms") == WanSpec(20_000_000, 25.0, 0.0)
     assert sites.parse_wan("1gbit:500us:0.1%") == WanSpec(10**9, 0.5, 0.001)
@@ -238,14 +250,7 @@ def test_a_cut_site_stops_the_job_naming_it_and_resume_continues(tmp_path: Path)
     with sites.testbed(sites="a:1,b:1", wan="50mbit:5ms", probe=False) as tb:
         env = tb.launcher_env()
         argv = [str(BIN / "medseg"), "train", "--config", str(config), "--np", "2", "--hosts", tb.hosts_arg()]
-        job = subprocess.Popen(
-            tb.launcher_prefix() + argv,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
+        job = _start_job(tb, argv, env)
         try:
             deadline = time.time() + 300
             while not last.exists():
@@ -310,14 +315,7 @@ def test_a_site_cut_mid_epoch_is_left_out_and_the_job_finishes_with_the_others(t
         env = tb.launcher_env()
         argv = [str(BIN / "medseg"), "train", "--config", str(config), "--np", "2", "--hosts", "a:1,b:1"]
         argv += ["--max-restarts", "1", "--min-sites", "1"]
-        job = subprocess.Popen(
-            tb.launcher_prefix() + argv,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-        )
+        job = _start_job(tb, argv, env)
         try:
             deadline = time.time() + 900
             while not (run / "checkpoints" / "last.pt").exists():
