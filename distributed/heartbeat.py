@@ -15,7 +15,7 @@ The launcher's watchdog (:func:`Watchdog.verdict`) stops the job and names a ran
 
 1. the rank has sent nothing for ``timeout_s`` (a dead, frozen or cut-off process: its beat thread
    stopped too), or never reported within the start-up grace period; or
-2. every rank is alive and either training or waiting for the others (phases ``train`` and
+2. every rank is alive (heard from within ``SILENT_AFTER_S``) and either training or waiting for the others (phases ``train`` and
    ``wait``), but none has completed a step or changed phase for ``timeout_s`` (a collective that
    will never complete); the rank whose last progress is the oldest is named, as the others are
    waiting for it.
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 BEAT_ADDR_ENV = "MEDSEG_BEAT_ADDR"
 BEAT_INTERVAL_S = 2.0
 START_GRACE_S = 180.0
+SILENT_AFTER_S = 3 * BEAT_INTERVAL_S  # a live rank's beat thread is never quiet this long
 
 
 @dataclass
@@ -201,8 +202,11 @@ class Watchdog:
                     f"{describe(r, st)} has been in phase {st.phase!r} for {now - st.phase_since:.0f} s "
                     f"(limit {self.long_phase_s:.0f} s)"
                 )
-        if len(states) == self.np_ and all(s.phase in ("train", "wait") for s in states.values()):
-            # (a rank that is done is neither: the others are then finishing too, not stuck)
+        alive = all(now - s.last_seen <= SILENT_AFTER_S for s in states.values())
+        if alive and len(states) == self.np_ and all(s.phase in ("train", "wait") for s in states.values()):
+            # (a rank that is done is neither: the others are then finishing too, not stuck). A rank
+            # that has gone quiet is left to rule 1: the rank waiting for it may have finished the
+            # last step a moment earlier and would otherwise be named in its place.
             progress = {r: max(s.last_step, s.phase_since) for r, s in states.items()}
             if now - max(progress.values()) > self.timeout_s:
                 culprit = min(progress, key=lambda r: progress[r])

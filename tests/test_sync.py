@@ -62,6 +62,16 @@ def test_watchdog_names_a_silent_rank_and_spares_long_phases() -> None:
     assert "rank 1 never reported" in (dog.verdict({0: _state("train", 600.0)}, now=601.0) or "")
 
 
+def test_watchdog_names_the_frozen_rank_not_the_one_waiting_for_it() -> None:
+    """A rank frozen after its last step still beat once more; the rank waiting in the collective
+    finished that step a moment earlier. Before the frozen rank's silence reaches the timeout, the
+    no-progress rule must not name the waiting rank (a race CI hit)."""
+    dog = Watchdog(np_=2, timeout_s=20.0, started=0.0)
+    states = {0: _state("train", 120.0, last_step=100.0), 1: _state("train", 101.5, last_step=100.1)}
+    assert dog.verdict(states, now=120.2) is None  # rank 1 silent for 18.7 s: not yet
+    assert "rank 1" in (dog.verdict(states, now=121.6) or "")
+
+
 def test_max_lead_rounds_from_timestamps() -> None:
     from medseg.distributed.bench_sites import max_lead_rounds
 
