@@ -4,9 +4,11 @@ Servers in different hospitals share no file system, so ranks do not write their
 the launcher reads: each rank opens one TCP connection to the launcher's :class:`BeatServer`
 (address in ``MEDSEG_BEAT_ADDR``, ``host:port``) and sends JSON lines:
 
-- a *liveness* beat every ``BEAT_INTERVAL_S`` from a background thread, naming the phase the rank is
-  in (``start``, ``load``, ``profile``, ``train``, ``validate``, ``wait``, ``save``), so a 10-minute
-  data load or validation pass is visibly alive;
+- a *liveness* beat every ``BEAT_INTERVAL_S`` from a helper process that watches the rank
+  (:mod:`medseg.distributed.beat_sidecar`: a rank blocked inside Horovod can hold the GIL, so a
+  thread of the rank cannot be relied on to beat), and one from a background thread naming the
+  phase the rank is in (``start``, ``load``, ``profile``, ``train``, ``validate``, ``wait``,
+  ``save``), so a 10-minute data load or validation pass is visibly alive;
 - a *progress* record after every training step (epoch, step, time, bytes, staleness, timings) and
   an *event* record at each GSSP round (submitted, started), which the launcher appends to
   ``<run>/ranks/rank-R.jsonl`` for benchmarks and post-mortems.
@@ -32,6 +34,8 @@ import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -230,12 +234,14 @@ class BeatClient:
         self._stop = threading.Event()
         addr = addr if addr is not None else os.environ.get(BEAT_ADDR_ENV)
         self.addr = None
+        self.sidecar_beat = b""  # what the helper process sends, for the audit of what leaves a site
         if addr:
             host, _, port = addr.rpartition(":")
             self.addr = (host, int(port))
             self._connect()
             self._thread = threading.Thread(target=self._beat, name="medseg-beat", daemon=True)
             self._thread.start()
+            self._sidecar = self._start_sidecar()
 
     def _connect(self, budget_s: float = 30.0) -> None:
         deadline = time.time() + budget_s
@@ -253,6 +259,24 @@ class BeatClient:
             self._sock = sock
         if self._sock is None:
             log.warning("rank %d: cannot reach the launcher's heartbeat endpoint %s", self.rank, self.addr)
+
+    def _start_sidecar(self) -> subprocess.Popen | None:
+        """The helper process that beats for this rank while it is not stopped (see its module)."""
+        from medseg.distributed import beat_sidecar
+
+        assert self.addr is not None
+        user_timeout_ms = int(float(os.environ.get("MEDSEG_BEAT_TIMEOUT_S", "60")) * 1000)
+        args = [self.addr[0], self.addr[1], self.rank, os.getpid(), self.host, self.node, BEAT_INTERVAL_S]
+        self.sidecar_beat = beat_sidecar.beat_record(self.rank, self.host, self.node)
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-I", "-S", beat_sidecar.__file__, *map(str, args), str(user_timeout_ms)],
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+            )
+        except OSError as exc:  # the thread's beats remain
+            log.warning("rank %d: no heartbeat helper process (%s)", self.rank, exc)
+            return None
 
     def _beat(self) -> None:
         while not self._stop.wait(BEAT_INTERVAL_S):
@@ -299,6 +323,13 @@ class BeatClient:
 
     def close(self) -> None:
         self._stop.set()
+        sidecar = getattr(self, "_sidecar", None)
+        if sidecar is not None and sidecar.poll() is None:
+            sidecar.terminate()
+            try:
+                sidecar.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                sidecar.kill()
         with self._lock:
             if self._sock is not None:
                 self._sock.close()

@@ -125,6 +125,8 @@ class HorovodSession(LocalSession):
         self.beats.send({"ev": "started", "pid": os.getpid()})
         if cfg.sites:  # from here on, every message to another site (or the launcher) is logged
             audit.start(rank)
+            if self.beats.sidecar_beat:  # the helper process repeats these bytes every few seconds
+                audit.current().sent_report(self.beats.sidecar_beat)
         self.hvd, self.cfg, self.dist = hvd, cfg, cfg.dist
         # Horovod's stall inspector may warn; it must not shut the job down: the watchdog decides.
         os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(int(cfg.dist.timeout_s) // 2, 1)))
@@ -413,6 +415,7 @@ class HorovodSession(LocalSession):
                 d.bits,
                 on_event=self.beats.send,
                 local_norm=d.local_norm,
+                weights=[len(g) * p for g, p in zip(self.groups, self.periods)],
             )
         return self.optimizer
 

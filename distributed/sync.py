@@ -17,16 +17,25 @@ runs (Horovod, a site's ``torch.distributed`` group, or the leaders' group) is t
                end of its round k a group submits its own model change since its previous
                submission, Δ_g(k) = w − a (a: the anchor, w right after the last submission, not
                counting what was received): the group's leader (its lowest rank) starts an
-               asynchronous allreduce of Δ_g(k) over the leaders' group, S(k) = Σ_h Δ_h(k), and the
-               group trains on. a ← w. Then the leader decides how many of the oldest pending
+               asynchronous allreduce of c_g Δ_g(k) over the leaders' group,
+               S(k) = Σ_h c_h Δ_h(k), and the group trains on. a ← w. The weights c_h are the groups'
+               shares of the samples in a round (c_h ∝ |h| · period_h, Σ_h c_h = 1; FedAvg's weighting),
+               so S(k) is the groups' weighted mean change. Then the leader decides how many of the oldest pending
                rounds to apply now, n = max(#completed, #forced) where round r is *forced* when
                r ≤ k − s, and tells its group (an in-site broadcast, so the members stay
                identical). For each applied round r the leader waits for S(r) (a forced round waits
                until the slowest group has submitted it) and broadcasts it in its site; every member
-               then applies the other groups' change, weighted down by its staleness τ = k − r:
+               then moves from its own change to the mean change, weighted down by its staleness
+               τ = k − r:
 
                    u = (S(r) − Δ_g(r)) / max(τ, 1);   w ← w + u;   a ← a + u.
 
+               At τ ≤ 1 every group thus holds a_0 + S(r) (+ its own later rounds): one model, as in
+               local SGD, which an epoch of G groups moves as far as bsp's epoch moves one. Adding
+               the other groups' full changes instead (u = S_sum − Δ_g, asynchronous SGD's rule) moves
+               the model G times as far in the direction all groups share; with rounds long enough to
+               hide the WAN that overshoots: gssp's held-out Dice fell from 0.54 to 0.24 between two
+               epochs at 20 Mbit/s (docs/benchmarks.md, "Between hospitals").
                τ = 1 is the pipeline itself: a round exchanged while the next one computes (what
                ``dist.hide_wan`` arranges on purpose) is applied one round late, so it keeps its full
                weight, and only rounds later than that are damped, by the staleness-dependent rate
@@ -36,8 +45,8 @@ runs (Horovod, a site's ``torch.distributed`` group, or the leaders' group) is t
 
                So no group starts round k + 1 before every group has submitted round k − s: a group
                never leads the slowest by more than s completed rounds when it starts a round, and
-               τ ≤ s. With DC-ASGD (Zheng et al., ICML 2017) the other groups' change is compensated
-               for the delay first. Their gradient g was taken at w_then (this group's w when round
+               τ ≤ s. With DC-ASGD (Zheng et al., ICML 2017) the other groups' change (the part
+               S(r) − c_g Δ_g(r) that came from them) is compensated for the delay first. Their gradient g was taken at w_then (this group's w when round
                r was submitted) and is applied at w_now; DC-ASGD uses g + λ g⊙g⊙(w_now − w_then),
                the diagonal of the outer-product approximation of the Hessian. For a model change
                Δ = −η g that is (:func:`dc_compensate`)
@@ -50,8 +59,8 @@ runs (Horovod, a site's ``torch.distributed`` group, or the leaders' group) is t
                codes: every member encodes Δ_g layer by layer with the same error-feedback residual
                (what a round does not carry is added to the next; the members' inputs are identical,
                so are their codes and residuals), the leaders ``all_gather`` the G encodings
-               asynchronously, and Δ_g is then the decoded value, the same on every rank, so
-               S(r) − Δ_g(r) is exact.
+               asynchronously, and Δ_g is then the decoded value, the same on every rank; each
+               group forms S(r) = Σ_h c_h Δ_h(r) from the decoded changes in group order.
 ``ssp``        gssp with one rank per group.
 ``local-sgd``  every rank steps alone; every ``period`` steps all ranks average w and the buffers.
 
@@ -388,6 +397,7 @@ class GroupStale(SyncedOptimizer):
         on_event: Callable[[dict[str, Any]], None] | None = None,
         exchange: bool | None = None,
         local_norm: bool = False,
+        weights: list[float] | None = None,
     ) -> None:
         super().__init__(optimizer, model, local_norm)
         self.channel = channel
@@ -401,6 +411,12 @@ class GroupStale(SyncedOptimizer):
         )
         self.leader = channel.is_leader
         self.n_groups = len(channel.groups)
+        # c_h: each group's share of a round's samples (equal when not given)
+        raw = list(weights) if weights is not None else [1.0] * self.n_groups
+        if len(raw) != self.n_groups or min(raw) <= 0:
+            raise ValueError(f"weights {raw} must be positive, one per group ({self.n_groups})")
+        self.weights = [float(x) / sum(raw) for x in raw]
+        self.own_weight = self.weights[channel.groups.index(channel.group)]
         # With one group there is nobody to exchange with; ``exchange=True`` runs the machinery anyway (tests).
         self.single_group = not (self.n_groups > 1 if exchange is None else exchange)
         self.on_event = on_event or (lambda record: None)
@@ -438,7 +454,7 @@ class GroupStale(SyncedOptimizer):
             self.on_event({"ev": "submit", "round": k, "t": time.time()})  # before the op can complete
         if self.coded is None:
             if self.leader:
-                buf = own.clone()
+                buf = own * self.own_weight
                 work = self.channel.leaders_pg.allreduce_(buf, async_op=True, kind="model-change")
                 self._count_leaders(ring_allreduce_bytes(self.numel, 4, self.n_groups))
         else:
@@ -485,7 +501,7 @@ class GroupStale(SyncedOptimizer):
             )
 
     def _received(self, e: _Round) -> torch.Tensor:
-        """S(r) = Σ_h Δ_h(r): the leader waits for it, then its group receives it in-site."""
+        """S(r) = Σ_h c_h Δ_h(r): the leader waits for it, then its group receives it in-site."""
         if self.coded is None:
             total = e.buf if self.leader else torch.empty(self.numel)
             if self.leader:
@@ -500,17 +516,18 @@ class GroupStale(SyncedOptimizer):
             gathered = torch.cat(e.buf)
         self.channel.group_broadcast(gathered)
         total = torch.zeros(self.numel)
-        for start in range(0, gathered.numel(), self.block):
-            total += decode_layers(gathered[start : start + self.block], self.layer_sizes, self.bits)
+        for h, start in enumerate(range(0, gathered.numel(), self.block)):
+            total += self.weights[h] * decode_layers(gathered[start : start + self.block], self.layer_sizes, self.bits)
         return total
 
     def _apply(self, e: _Round, boundary: int) -> None:
-        others = self._received(e) - e.own
+        mean = self._received(e)
         tau = self.rounds - 1 - e.r
         if self.dc_lambda and e.w_then is not None:
             lr = float(self.base.param_groups[0]["lr"])
-            others = dc_compensate(others, flat(self.params), e.w_then, self.dc_lambda, lr)
-        update = others / max(tau, 1)
+            others = mean - self.own_weight * e.own  # what the other groups contributed
+            mean = self.own_weight * e.own + dc_compensate(others, flat(self.params), e.w_then, self.dc_lambda, lr)
+        update = (mean - e.own) / max(tau, 1)
         assign(self.params, flat(self.params) + update)
         self.anchor += update
         self.stats.staleness.append(tau)

@@ -6,7 +6,8 @@ Run: horovodrun -np 2 -H localhost:2 --gloo python tests/mp/gssp_replay.py
    steps, rank 1 slowed by sleeps so that rounds really arrive late; once with plain float32
    rounds and once with 4-bit codes. Every engine logs the rounds it submitted and applied (with
    the staleness it used). Rank 0 then replays both groups in one process: the same batches, the
-   same optimizer, the rounds applied in the logged order with the logged staleness, and the
+   same optimizer, the rounds applied in the logged order with the logged staleness (each group
+   moving to the rounds' sample-weighted mean change, weights 2/3 and 1/3), and the
    epoch-end average. The replay must land on the engines' parameters and BatchNorm buffers
    within 1e-6, some round must have been stale (τ > 0), and no τ may exceed s.
 2. Local SGD (period 2) against its replay: independent steps, averages every 2 steps.
@@ -31,6 +32,7 @@ ROUNDS = 6
 PERIODS = [2, 1]  # the fast group 0 runs 2 steps per round, the slow group 1 one step
 STEPS = [ROUNDS * p for p in PERIODS]
 BOUND = 1
+WEIGHTS = [p / sum(PERIODS) for p in PERIODS]  # one rank per group: a group's share of a round's samples
 LR = 0.05
 
 
@@ -100,13 +102,9 @@ class GroupReplay:
                 _, _, r, tau = ev
                 if any(r not in other.own for other in everyone):
                     return moved
-                if self.coded is not None:  # the engine decodes the gathered codes in group order
-                    total = torch.zeros_like(self.own[r])
-                    for other in everyone:
-                        total = total + other.own[r]
-                else:  # a two-rank allreduce adds the two changes (in either order: the same float)
-                    total = everyone[0].own[r] + everyone[1].own[r]
-                update = (total - self.own[r]) / max(tau, 1)
+                # every group moves to the sample-weighted mean change of the round
+                mean = sum(c * other.own[r] for c, other in zip(WEIGHTS, everyone))
+                update = (mean - self.own[r]) / max(tau, 1)
                 with torch.no_grad():
                     w = flat(self.params) + update
                     offset = 0
@@ -147,7 +145,7 @@ def run_gssp(channel: Channel, compression: str) -> tuple[torch.Tensor, list[tup
     rank = hvd.rank()
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    engine = GroupStale(opt, model, channel, PERIODS[rank], BOUND, 0.0, compression, 4)
+    engine = GroupStale(opt, model, channel, PERIODS[rank], BOUND, 0.0, compression, 4, weights=PERIODS)
     for i, batch in enumerate(batches(rank, STEPS[rank])):
         train_step(model, engine, batch)
         if rank == 1:
