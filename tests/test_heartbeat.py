@@ -1,0 +1,71 @@
+"""Liveness beats come from a helper process: a rank holding the GIL still beats, a stopped one does not."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from medseg.distributed.heartbeat import BEAT_INTERVAL_S, BeatServer
+
+RANK = textwrap.dedent(
+    """
+    import ctypes, sys, time
+    from medseg.distributed.heartbeat import BeatClient
+    beats = BeatClient(3, sys.argv[1])
+    beats.send({"ev": "started"})
+    time.sleep(1.0)
+    print("holding", flush=True)
+    ctypes.PyDLL(None).sleep(int(sys.argv[2]))  # libc sleep with the GIL held: no Python thread runs
+    print("released", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _silence(server: BeatServer) -> float:
+    return time.time() - server.snapshot()[3].last_seen
+
+
+def _wait_until(cond, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:  # bounded
+        if cond():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_rank_holding_the_gil_beats_and_a_stopped_one_does_not(tmp_path: Path) -> None:
+    server = BeatServer(tmp_path / "ranks", bind="127.0.0.1")
+    hold_s = 4 * BEAT_INTERVAL_S
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK, f"127.0.0.1:{server.port}", str(int(hold_s))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    sidecars = lambda: subprocess.run(  # noqa: E731
+        ["pgrep", "-f", f"beat_sidecar.py 127.0.0.1 {server.port} "], capture_output=True, text=True
+    ).stdout.split()
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "holding"
+        # the rank's own threads cannot run now; the helper's beats go on
+        time.sleep(2.5 * BEAT_INTERVAL_S)
+        assert _silence(server) < 1.5 * BEAT_INTERVAL_S, "no beat while the rank held the GIL"
+        assert rank.stdout.readline().strip() == "released"
+        os.kill(rank.pid, signal.SIGSTOP)  # frozen: nothing may beat for it
+        time.sleep(3 * BEAT_INTERVAL_S)
+        assert _silence(server) > 2 * BEAT_INTERVAL_S, "a stopped rank kept beating"
+        os.kill(rank.pid, signal.SIGCONT)
+        assert _wait_until(lambda: _silence(server) < BEAT_INTERVAL_S, 4 * BEAT_INTERVAL_S)
+        assert len(sidecars()) == 1
+    finally:
+        rank.kill()
+        rank.wait()
+        server.close()
+    # the helper ends with its rank
+    assert _wait_until(lambda: not sidecars(), 4 * BEAT_INTERVAL_S), "the beat helper outlived its rank"
