@@ -170,11 +170,20 @@ def _infer(args: argparse.Namespace) -> None:
     from medseg.datasets.checks import NIFTI_SUFFIXES, open_nifti
 
     if Path(args.input).is_file() and str(args.input).endswith(NIFTI_SUFFIXES):
-        open_nifti(args.input)  # header checks before torch and MONAI are even imported (seconds)
+        # header checks before torch and MONAI are even imported (seconds); whether the volume fits in
+        # memory is checked once the path (streamed or loaded) is known
+        open_nifti(args.input, memory=False)
 
     from medseg.infer import infer_to_file
 
-    out = infer_to_file(args.run, args.input, args.output, series_uid=args.series, resample=args.resample)
+    out = infer_to_file(
+        args.run,
+        args.input,
+        args.output,
+        series_uid=args.series,
+        resample=args.resample,
+        stream_above=args.stream_above,
+    )
     print(f"wrote {out}")
 
 
@@ -593,6 +602,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--series", help="SeriesInstanceUID when the folder holds several series")
     s.add_argument(
         "--resample", action="store_true", help="interpolate uneven DICOM slice spacing onto a regular grid"
+    )
+    s.add_argument(
+        "--stream-above",
+        type=int,
+        metavar="VOXELS",
+        help="read NIfTI inputs of more voxels than this slab by slab instead of loading them (same "
+        "labels, less memory; default 134217728 = 512x512x512, or MEDSEG_STREAM_VOXELS; 0 streams always)",
     )
     s.set_defaults(func=_infer)
     return p
