@@ -322,15 +322,29 @@ def _bench_infer(args: argparse.Namespace) -> None:
         raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu")
     kwargs = {}
     if args.sizes:
-        kwargs["sizes"] = [tuple(int(n) for n in s.lower().split("x")) for s in args.sizes]
+        sizes = []
+        for text in args.sizes:
+            parts = text.lower().split("x")
+            if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise ConfigError(f"--sizes {text}: give sizes as IxJxK with positive whole numbers, e.g. 512x512x300")
+            sizes.append(tuple(int(n) for n in parts))
+        kwargs["sizes"] = sizes
     if args.classes:
         kwargs["classes"] = tuple(args.classes)
+    if args.variants:
+        kwargs["variants"] = tuple(args.variants)
     if args.old_limit_gb is not None:
         kwargs["old_limit_bytes"] = int(args.old_limit_gb * 2**30)
     if args.reuse_log is not None:
         from medseg.bench_infer import runs_from_log
 
+        if not args.reuse_log.is_file():
+            raise ConfigError(f"--reuse-log {args.reuse_log}: no such file; give the log an earlier run printed to")
         kwargs["reuse"] = runs_from_log(args.reuse_log.read_text())
+        if not kwargs["reuse"]:
+            raise ConfigError(
+                f"--reuse-log {args.reuse_log}: holds no finished runs (lines 'IxJxK classes variant {{json}}')"
+            )
     result = bench_infer(
         args.workdir, quick=args.quick, device=args.device, rounds=args.rounds, partial=args.json, **kwargs
     )
@@ -553,6 +567,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rounds", type=int, default=2, help="timed rounds of old and new per case (default 2)")
     s.add_argument("--sizes", nargs="+", metavar="IxJxK", help="input sizes (default: all three CT sizes)")
     s.add_argument("--classes", type=int, nargs="+", help="class counts (default: 3 14)")
+    s.add_argument(
+        "--variants",
+        nargs="+",
+        choices=["old", "new", "new-stream", "new-fp16"],
+        help="variants to run (default: all; old only where it fits, new-fp16 only at 256x256x128 and --quick)",
+    )
     s.add_argument(
         "--old-limit-gb",
         type=float,
