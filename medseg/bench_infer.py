@@ -142,7 +142,9 @@ def old_peak_bytes(n_voxels: int, classes: int) -> int:
 # Inputs and models.
 
 
-def synthetic_affine(shape: tuple[int, int, int], spacing: tuple[float, float, float] = SPACING) -> np.ndarray:
+def synthetic_affine(
+    shape: tuple[int, int, int], spacing: tuple[float, float, float] = SPACING
+) -> np.ndarray:
     """LPS-stored, centred; rounded through float32 as a NIfTI header stores it, so that the loaded
     synthetic CT and its file (:func:`write_synthetic_nifti`) have the very same affine."""
     ni, nj, nk = shape
@@ -276,9 +278,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 
     from medseg import predict_memory
     from medseg.bundle import load_bundle
-    from medseg.infer import predict
-
-    from medseg.infer import load_image
+    from medseg.infer import load_image, predict
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     bundle = load_bundle(args.bundle)
@@ -659,7 +659,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
             e = case["variants"].get(v, {})
             if "peak_bytes" in e:
                 ax.bar(
-                    i + (j - 1.5) * 0.2, e["peak_bytes"] / GB, 0.2, color=f"C{j}", label=v if v not in seen else None
+                    i + (j - 1.5) * 0.2,
+                    e["peak_bytes"] / GB,
+                    0.2,
+                    color=f"C{j}",
+                    label=v if v not in seen else None,
                 )
                 seen.add(v)
     ax.set_xticks(xs, names, fontsize=7)
@@ -705,6 +709,8 @@ def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None, 
         "input and the prediction) with MALLOC_MMAP_THRESHOLD_=65536; time is the `predict` call, one column "
         "per round. `old` is the previous path (C probability maps inverted by `Invertd`, argmax after) "
         "measured in the same run; it is not run where its predicted peak exceeds the memory limit. "
+        "`new-stream` is `predict` on the same CT written as an int16 `.nii.gz` and read by the streaming "
+        "path (`medseg infer` above its threshold): its time and peak include reading the file. "
         "'predicted' is `medseg.predict_memory.estimate`, the figure `predict` checks before it starts "
         "(for `old`, `old_peak_bytes`, fit to the issue's 5.5 GB)." + (f"\n\n{note}" if note else "")
     )

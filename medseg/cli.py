@@ -326,7 +326,9 @@ def _bench_infer(args: argparse.Namespace) -> None:
         for text in args.sizes:
             parts = text.lower().split("x")
             if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-                raise ConfigError(f"--sizes {text}: give sizes as IxJxK with positive whole numbers, e.g. 512x512x300")
+                raise ConfigError(
+                    f"--sizes {text}: give sizes as IxJxK with positive whole numbers, e.g. 512x512x300"
+                )
             sizes.append(tuple(int(n) for n in parts))
         kwargs["sizes"] = sizes
     if args.classes:
@@ -339,7 +341,9 @@ def _bench_infer(args: argparse.Namespace) -> None:
         from medseg.bench_infer import runs_from_log
 
         if not args.reuse_log.is_file():
-            raise ConfigError(f"--reuse-log {args.reuse_log}: no such file; give the log an earlier run printed to")
+            raise ConfigError(
+                f"--reuse-log {args.reuse_log}: no such file; give the log an earlier run printed to"
+            )
         kwargs["reuse"] = runs_from_log(args.reuse_log.read_text())
         if not kwargs["reuse"]:
             raise ConfigError(

@@ -7,6 +7,10 @@ back through the preprocessing onto the input's grid and argmax-ed there, slab b
 not grow with the number of classes (:mod:`medseg.predict_memory`, :mod:`medseg.resample`). The label
 map has the input's shape and affine. The peak memory is predicted first; an input that cannot fit
 raises DataError.
+
+A NIfTI file above the streaming threshold (``load_image(..., stream_above=N)``, which ``medseg infer``
+sets) is not loaded: ``predict`` reads it slab by slab into the model grid and gives the same labels
+(:mod:`medseg.stream_input`).
 """
 
 from __future__ import annotations
@@ -69,7 +73,9 @@ def load_image(
         img, _ = checks.open_nifti(source, memory=stream_above is None)
         if stream_above is not None:
             if len(img.shape) == 3 and int(np.prod(img.shape)) > stream_above:
-                log.info("%s: %d voxels, above %d: streaming the input", source, np.prod(img.shape), stream_above)
+                log.info(
+                    "%s: %d voxels, above %d: streaming the input", source, np.prod(img.shape), stream_above
+                )
                 return LazyVolume.open(source)
             checks.open_nifti(source)  # loading it whole after all: the memory check applies
     image = tf.apply(tf.loader(["image"], series_uid=series_uid, resample=resample), {"image": str(source)})[

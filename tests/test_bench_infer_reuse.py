@@ -44,7 +44,13 @@ def test_interrupted_run_is_resumed_from_its_log(
 
     monkeypatch.setattr(bench_infer, "_run_child", counted)
     result = bench_infer.bench_infer(
-        work, quick=True, rounds=1, sizes=[SHAPE], classes=(3,), variants=("old", "new", "new-stream"), reuse=reuse
+        work,
+        quick=True,
+        rounds=1,
+        sizes=[SHAPE],
+        classes=(3,),
+        variants=("old", "new", "new-stream"),
+        reuse=reuse,
     )
     assert calls == ["new-stream"]  # old and new were taken from the log
     case = result["cases"][0]
@@ -63,9 +69,13 @@ def test_reused_run_without_its_labels_is_run_again(tmp_path: Path, monkeypatch:
     assert reuse == {(SHAPE, 3, "new"): [{"seconds": 9.0, "peak_bytes": 1, "predicted_peak_bytes": 1}]}
     calls: list[str] = []
     monkeypatch.setattr(
-        bench_infer, "_run_child", lambda b, s, v, *a, **k: calls.append(v) or {"error": "not run in this test"}
+        bench_infer,
+        "_run_child",
+        lambda b, s, v, *a, **k: calls.append(v) or {"error": "not run in this test"},
     )
-    bench_infer.bench_infer(tmp_path, quick=True, rounds=1, sizes=[SHAPE], classes=(3,), variants=("new",), reuse=reuse)
+    bench_infer.bench_infer(
+        tmp_path, quick=True, rounds=1, sizes=[SHAPE], classes=(3,), variants=("new",), reuse=reuse
+    )
     assert calls == ["new"]
 
 
