@@ -328,7 +328,7 @@ def nifti_affine(img: Any, name: str, path: str | os.PathLike[str] | None = None
     return np.asarray(sform if scode > 0 else qform, dtype=np.float64)
 
 
-def _check_nifti_size(img: Any, path: Path, name: str) -> None:
+def _check_nifti_size(img: Any, path: Path, name: str, memory: bool = True) -> None:
     hdr = img.header
     shape = tuple(int(s) for s in img.shape)
     if any(s < 0 for s in shape):
@@ -349,13 +349,18 @@ def _check_nifti_size(img: Any, path: Path, name: str) -> None:
             f"{name}: the file holds {size:,} bytes but its header needs {offset + claimed:,} for {shape} "
             f"voxels; the file is truncated, copy or export it again"
         )
-    check_memory(n_voxels, itemsize, name)
+    if memory:
+        check_memory(n_voxels, itemsize, name)
 
 
-def open_nifti(path: str | os.PathLike[str], name: str | None = None) -> tuple[Any, np.ndarray]:
+def open_nifti(
+    path: str | os.PathLike[str], name: str | None = None, memory: bool = True
+) -> tuple[Any, np.ndarray]:
     """Open a NIfTI header (no voxels read) and check path, size and geometry.
 
     Returns the lazy nibabel image and the affine to use. Raises DataError naming ``name`` (or the path).
+    ``memory=False`` skips the check that the whole volume fits in memory (for a streamed read, whose
+    own peak :func:`medseg.predict_memory.estimate` checks).
     """
     from nibabel.filebasedimages import ImageFileError
     from nibabel.spatialimages import HeaderDataError
@@ -377,7 +382,7 @@ def open_nifti(path: str | os.PathLike[str], name: str | None = None) -> tuple[A
         raise DataError(
             f"{name}: cannot be read as NIfTI ({type(exc).__name__}: {exc}); the file is corrupt, re-export it"
         ) from None
-    _check_nifti_size(img, p, name)
+    _check_nifti_size(img, p, name, memory)
     return img, nifti_affine(img, name, p)
 
 

@@ -10,7 +10,13 @@ Variants, each in its own process (a fresh allocator is the only honest peak):
 - ``old``: the previous path (softmax, ``Invertd`` of the C probability maps onto the input grid,
   argmax there), kept here as :func:`predict_reference`, the anchor measured in the same run;
 - ``new``: :func:`medseg.infer.predict` as users run it;
+- ``new-stream``: the same on the synthetic CT written as an int16 ``.nii.gz`` (gzip level 1), read
+  by the streaming path (:mod:`medseg.stream_input`, what ``medseg infer`` does above its threshold)
+  inside the measured call: time and peak include reading and decompressing the file;
 - ``new-fp16``: the same with float16 sliding-window accumulators, to measure what that would change.
+
+``new-stream`` and ``new-fp16`` run one round per case. Labels are compared with ``old``, or with
+``new`` where ``old`` was not run (``new-stream`` must then be identical).
 
 Peak RSS is the child's ``VmHWM`` (whole process: libraries, the loaded float32 input and the
 prediction; reset with ``/proc/self/clear_refs`` after the input is made, with
@@ -44,6 +50,8 @@ QUICK_SIZES = [(96, 96, 40), (128, 128, 64)]
 CLASSES = (3, 14)
 #: The case the time target is on: timed ``rounds`` times; the others once (2 shared cores are slow).
 TIMED = ((512, 512, 300), 3)
+#: Every variant; ``new-stream`` and ``new-fp16`` run one round per case.
+VARIANTS = ("old", "new", "new-stream", "new-fp16")
 OLD_LIMIT_BYTES = 14 * 2**30  # never start a variant predicted above this (machine: 24 GiB, shared)
 GB = 2**30
 
@@ -134,6 +142,17 @@ def old_peak_bytes(n_voxels: int, classes: int) -> int:
 # Inputs and models.
 
 
+def synthetic_affine(
+    shape: tuple[int, int, int], spacing: tuple[float, float, float] = SPACING
+) -> np.ndarray:
+    """LPS-stored, centred; rounded through float32 as a NIfTI header stores it, so that the loaded
+    synthetic CT and its file (:func:`write_synthetic_nifti`) have the very same affine."""
+    ni, nj, nk = shape
+    affine = np.diag([-spacing[0], -spacing[1], spacing[2], 1.0])
+    affine[:3, 3] = [spacing[0] * ni / 2, spacing[1] * nj / 2, -spacing[2] * nk / 2]
+    return affine.astype(np.float32).astype(np.float64)
+
+
 def synthetic_ct(shape: tuple[int, int, int], spacing: tuple[float, float, float] = SPACING, seed: int = 0):
     """A CT-like float32 MetaTensor (1, I, J, K): air, a body ellipse of soft tissue, brighter blobs, noise.
 
@@ -141,9 +160,48 @@ def synthetic_ct(shape: tuple[int, int, int], spacing: tuple[float, float, float
     """
     from monai.data import MetaTensor
 
-    rs = np.random.RandomState(seed)
     ni, nj, nk = shape
     out = torch.empty((1, ni, nj, nk), dtype=torch.float32)
+    for k0, k1, block in _synthetic_blocks(shape, spacing, seed):
+        out[0, :, :, k0:k1] = torch.from_numpy(block)
+    return MetaTensor(
+        out,
+        affine=torch.as_tensor(synthetic_affine(shape, spacing)),
+        meta={"filename_or_obj": f"synthetic-{ni}x{nj}x{nk}"},
+    )
+
+
+def write_synthetic_nifti(
+    path: Path, shape: tuple[int, int, int], spacing: tuple[float, float, float] = SPACING, seed: int = 0
+) -> Path:
+    """:func:`synthetic_ct` as an int16 NIfTI file, written slice block by slice block (gzip level 1 for
+    ``.nii.gz``): the voxels equal the loaded synthetic CT's, and writing never holds the whole volume."""
+    import gzip
+
+    import nibabel as nib
+
+    hdr = nib.Nifti1Header()
+    hdr.set_data_shape(shape)
+    hdr.set_data_dtype(np.int16)
+    affine = synthetic_affine(shape, spacing)
+    hdr.set_sform(affine, code=1)
+    hdr.set_qform(affine, code=1)
+    hdr.set_xyzt_units("mm")
+    hdr.set_data_offset(352)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    opener = gzip.open(tmp, "wb", compresslevel=1) if path.name.endswith(".gz") else open(tmp, "wb")
+    with opener as f:
+        hdr.write_to(f)  # 348 bytes and the 4-byte extension flag: the voxels start at 352
+        for _, _, block in _synthetic_blocks(shape, spacing, seed):
+            f.write(block.astype("<i2").tobytes(order="F"))
+    os.replace(tmp, path)
+    return path
+
+
+def _synthetic_blocks(shape: tuple[int, int, int], spacing: tuple[float, float, float], seed: int):
+    """``(k0, k1, block)``: the synthetic CT's slices ``k0:k1`` as (I, J, k1 - k0) float32 integers."""
+    rs = np.random.RandomState(seed)
+    ni, nj, nk = shape
     x = (np.arange(ni)[:, None] - (ni - 1) / 2) / (0.45 * ni)
     y = (np.arange(nj)[None, :] - (nj - 1) / 2) / (0.38 * nj)
     body = (x**2 + y**2) <= 1.0
@@ -171,12 +229,7 @@ def synthetic_ct(shape: tuple[int, int, int], spacing: tuple[float, float, float
             sub = block[i0:i1, j0:j1]
             sub[d2 <= 1.0] = v
         block += rs.normal(0.0, 20.0, size=block.shape).astype(np.float32)
-        out[0, :, :, k0:k1] = torch.from_numpy(block.round())
-    affine = np.diag([-spacing[0], -spacing[1], spacing[2], 1.0])
-    affine[:3, 3] = [spacing[0] * ni / 2, spacing[1] * nj / 2, -spacing[2] * nk / 2]
-    return MetaTensor(
-        out, affine=torch.as_tensor(affine), meta={"filename_or_obj": f"synthetic-{ni}x{nj}x{nk}"}
-    )
+        yield k0, k1, block.round()
 
 
 def make_bundle(workdir: Path, classes: int, seed: int = 0, patch: list[int] | None = None) -> Path:
@@ -225,11 +278,15 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 
     from medseg import predict_memory
     from medseg.bundle import load_bundle
-    from medseg.infer import predict
+    from medseg.infer import load_image, predict
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     bundle = load_bundle(args.bundle)
-    image = synthetic_ct(tuple(args.shape), seed=args.seed)
+    stream = args.variant == "new-stream"
+    if stream:  # the file, read by the streaming path inside the measured call
+        image = load_image(args.nifti, stream_above=0)
+    else:
+        image = synthetic_ct(tuple(args.shape), seed=args.seed)
     est = predict_memory.estimate(bundle.config, image, len(bundle.labels))
     gc.collect()
     try:
@@ -259,7 +316,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(seconds, 2),
         "peak_bytes": peak_kb * 1024,
         "before_bytes": before_kb * 1024,
-        "input_bytes": int(image.numel() * image.element_size()),
+        "input_bytes": int(image.numel() * (4 if stream else image.element_size())),
         "predicted_peak_bytes": est.peak_bytes,
         "threads": torch.get_num_threads(),
     }
@@ -279,9 +336,12 @@ def _run_child(
     device: str,
     labels_out: Path | None,
     timeout_s: float,
+    nifti: Path | None = None,
 ) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "medseg.bench_infer", "--bundle", str(bundle), "--variant", variant]
     cmd += ["--shape", *map(str, shape), "--device", device]
+    if nifti is not None:
+        cmd += ["--nifti", str(nifti)]
     if labels_out is not None:
         cmd += ["--labels-out", str(labels_out)]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -344,8 +404,12 @@ def bench_infer(
     old_limit_bytes: int = OLD_LIMIT_BYTES,
     partial: Path | None = None,
     reuse: dict[tuple[tuple[int, ...], int, str], list[dict[str, Any]]] | None = None,
+    variants: tuple[str, ...] = VARIANTS,
 ) -> dict[str, Any]:
     """Run every (size, classes, variant) in its own process; see the module docstring.
+
+    ``variants`` limits the variants run (``old`` still only where it fits, ``new-fp16`` only on the
+    smallest CT size and in quick runs).
 
     ``reuse`` (:func:`runs_from_log`) holds runs an interrupted invocation finished, by (shape, classes,
     variant), in round order: they are taken instead of being run again (their label maps must still
@@ -378,18 +442,25 @@ def bench_infer(
         case: dict[str, Any] = {"shape": list(shape), "classes": c, "variants": {}}
         old_peak = old_peak_bytes(n, c)
         limit = min(old_limit_bytes, int(0.8 * available_bytes()))
-        variants = ["old", "new"] if old_peak <= limit else ["new"]
-        if old_peak > limit:
+        run = ["old", "new", "new-stream"] if old_peak <= limit else ["new", "new-stream"]
+        if old_peak > limit and "old" in variants:
             case["old_skipped"] = (
                 f"predicted peak {old_peak / GB:.1f} GB exceeds the {limit / GB:.1f} GB limit"
             )
         if fp16 and (quick or shape == (256, 256, 128)):
-            variants.append("new-fp16")
+            run.append("new-fp16")
+        run = [v for v in run if v in variants]
+        nifti = None
+        if "new-stream" in run:
+            nifti = workdir / f"input-{'x'.join(map(str, shape))}.nii.gz"
+            if not nifti.exists():
+                log.info("bench infer: writing %s", nifti)
+                write_synthetic_nifti(nifti, shape)
         labels: dict[str, Path] = {}
         for r in range(case_rounds):
-            for v in variants:
+            for v in run:
                 path = workdir / f"labels-{'x'.join(map(str, shape))}-{c}-{v}.npy" if r == 0 else None
-                if v == "new-fp16" and r > 0:
+                if v in ("new-fp16", "new-stream") and r > 0:
                     continue
                 log.info("bench infer: %s, %d classes, %s, round %d", shape, c, v, r + 1)
                 earlier = reuse.get((tuple(shape), c, v))
@@ -399,7 +470,7 @@ def bench_infer(
                         f"{'x'.join(map(str, shape))} x {c} {v} round {r + 1}"
                     )
                 else:
-                    res = _run_child(bundles[c], shape, v, device, path, timeout_s)
+                    res = _run_child(bundles[c], shape, v, device, path, timeout_s, nifti)
                 print(f"{'x'.join(map(str, shape)):>13} {c:3d} {v:9s} {json.dumps(res)}", flush=True)
                 entry = case["variants"].setdefault(v, {"runs": []})
                 entry["runs"].append(res)
@@ -414,9 +485,11 @@ def bench_infer(
                     case["variants"][v]["vs_old"] = compare_labels(ref, np.load(p, mmap_mode="r"), c, margin)
             del margin
             margin_path.unlink(missing_ok=True)
-        elif "new-fp16" in labels and "new" in labels:
+        elif "new" in labels:
             ref = np.load(labels["new"], mmap_mode="r")
-            case["variants"]["new-fp16"]["vs_new"] = compare_labels(ref, np.load(labels["new-fp16"]), c)
+            for v, p in labels.items():
+                if v != "new":
+                    case["variants"][v]["vs_new"] = compare_labels(ref, np.load(p, mmap_mode="r"), c)
         for p in labels.values():
             p.unlink(missing_ok=True)
         _summarise(case)
@@ -477,10 +550,14 @@ def check_targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
             ("512x512x300, 3 classes: time <= 0.8x old (every round)", max(c3["time_ratios"]) <= 0.8)
         )
     big = _find(result, (512, 512, 1000), 14)
-    if big and "peak_bytes" in big["variants"].get("new", {}):
-        checks.append(
-            ("512x512x1000, 14 classes: within 8 GB", big["variants"]["new"]["peak_bytes"] <= 8 * GB)
-        )
+    for v, what in (("new-stream", "streamed from the file, as `medseg infer` runs it"), ("new", "loaded")):
+        if big and "peak_bytes" in big["variants"].get(v, {}):
+            checks.append(
+                (
+                    f"512x512x1000, 14 classes: within 8 GB ({v}: {what})",
+                    big["variants"][v]["peak_bytes"] <= 8 * GB,
+                )
+            )
     new14 = (c14 or {}).get("variants", {}).get("new", {})
     if "peak_bytes" in new3 and "peak_bytes" in new14:
         checks.append(
@@ -493,7 +570,7 @@ def check_targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
         v["vs_old"]
         for case in result["cases"]
         for name, v in case["variants"].items()
-        if name == "new" and "vs_old" in v
+        if name in ("new", "new-stream") and "vs_old" in v
     ]
     if compared:
         ok = all(
@@ -502,9 +579,21 @@ def check_targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
         )
         checks.append(
             (
-                "new labels equal old on every case compared, except at near-ties "
+                "new and new-stream labels equal old on every case compared, except at near-ties "
                 f"(old's top-two probability gap < {TIE_TOLERANCE:g} at every differing voxel)",
                 ok,
+            )
+        )
+    streamed = [
+        case["variants"]["new-stream"]["vs_new"]
+        for case in result["cases"]
+        if "vs_new" in case["variants"].get("new-stream", {})
+    ]
+    if streamed:
+        checks.append(
+            (
+                "new-stream labels identical to new where old was not run",
+                all(cmp["differing_voxels"] == 0 for cmp in streamed),
             )
         )
     return checks
@@ -562,15 +651,21 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 3.6))
     names, xs = [], []
+    seen: set[str] = set()
     for i, case in enumerate(result["cases"]):
         names.append(f"{'x'.join(map(str, case['shape']))}\n{case['classes']} cls")
         xs.append(i)
-        for j, v in enumerate(("old", "new", "new-fp16")):
+        for j, v in enumerate(VARIANTS):
             e = case["variants"].get(v, {})
             if "peak_bytes" in e:
                 ax.bar(
-                    i + (j - 1) * 0.27, e["peak_bytes"] / GB, 0.27, color=f"C{j}", label=v if i == 0 else None
+                    i + (j - 1.5) * 0.2,
+                    e["peak_bytes"] / GB,
+                    0.2,
+                    color=f"C{j}",
+                    label=v if v not in seen else None,
                 )
+                seen.add(v)
     ax.set_xticks(xs, names, fontsize=7)
     ax.set_ylabel("peak RSS (GB)")
     ax.legend(fontsize=8)
@@ -614,6 +709,8 @@ def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None, 
         "input and the prediction) with MALLOC_MMAP_THRESHOLD_=65536; time is the `predict` call, one column "
         "per round. `old` is the previous path (C probability maps inverted by `Invertd`, argmax after) "
         "measured in the same run; it is not run where its predicted peak exceeds the memory limit. "
+        "`new-stream` is `predict` on the same CT written as an int16 `.nii.gz` and read by the streaming "
+        "path (`medseg infer` above its threshold): its time and peak include reading the file. "
         "'predicted' is `medseg.predict_memory.estimate`, the figure `predict` checks before it starts "
         "(for `old`, `old_peak_bytes`, fit to the issue's 5.5 GB)." + (f"\n\n{note}" if note else "")
     )
@@ -623,7 +720,8 @@ def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None, 
 def _main() -> None:
     p = argparse.ArgumentParser(description="one variant of medseg bench infer (internal)")
     p.add_argument("--bundle", required=True)
-    p.add_argument("--variant", choices=["old", "new", "new-fp16"], required=True)
+    p.add_argument("--variant", choices=list(VARIANTS), required=True)
+    p.add_argument("--nifti", help="the input as a file (new-stream)")
     p.add_argument("--shape", type=int, nargs=3, required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)

@@ -170,11 +170,20 @@ def _infer(args: argparse.Namespace) -> None:
     from medseg.datasets.checks import NIFTI_SUFFIXES, open_nifti
 
     if Path(args.input).is_file() and str(args.input).endswith(NIFTI_SUFFIXES):
-        open_nifti(args.input)  # header checks before torch and MONAI are even imported (seconds)
+        # header checks before torch and MONAI are even imported (seconds); whether the volume fits in
+        # memory is checked once the path (streamed or loaded) is known
+        open_nifti(args.input, memory=False)
 
     from medseg.infer import infer_to_file
 
-    out = infer_to_file(args.run, args.input, args.output, series_uid=args.series, resample=args.resample)
+    out = infer_to_file(
+        args.run,
+        args.input,
+        args.output,
+        series_uid=args.series,
+        resample=args.resample,
+        stream_above=args.stream_above,
+    )
     print(f"wrote {out}")
 
 
@@ -313,15 +322,33 @@ def _bench_infer(args: argparse.Namespace) -> None:
         raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu")
     kwargs = {}
     if args.sizes:
-        kwargs["sizes"] = [tuple(int(n) for n in s.lower().split("x")) for s in args.sizes]
+        sizes = []
+        for text in args.sizes:
+            parts = text.lower().split("x")
+            if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise ConfigError(
+                    f"--sizes {text}: give sizes as IxJxK with positive whole numbers, e.g. 512x512x300"
+                )
+            sizes.append(tuple(int(n) for n in parts))
+        kwargs["sizes"] = sizes
     if args.classes:
         kwargs["classes"] = tuple(args.classes)
+    if args.variants:
+        kwargs["variants"] = tuple(args.variants)
     if args.old_limit_gb is not None:
         kwargs["old_limit_bytes"] = int(args.old_limit_gb * 2**30)
     if args.reuse_log is not None:
         from medseg.bench_infer import runs_from_log
 
+        if not args.reuse_log.is_file():
+            raise ConfigError(
+                f"--reuse-log {args.reuse_log}: no such file; give the log an earlier run printed to"
+            )
         kwargs["reuse"] = runs_from_log(args.reuse_log.read_text())
+        if not kwargs["reuse"]:
+            raise ConfigError(
+                f"--reuse-log {args.reuse_log}: holds no finished runs (lines 'IxJxK classes variant {{json}}')"
+            )
     result = bench_infer(
         args.workdir, quick=args.quick, device=args.device, rounds=args.rounds, partial=args.json, **kwargs
     )
@@ -545,6 +572,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sizes", nargs="+", metavar="IxJxK", help="input sizes (default: all three CT sizes)")
     s.add_argument("--classes", type=int, nargs="+", help="class counts (default: 3 14)")
     s.add_argument(
+        "--variants",
+        nargs="+",
+        choices=["old", "new", "new-stream", "new-fp16"],
+        help="variants to run (default: all; old only where it fits, new-fp16 only at 256x256x128 and --quick)",
+    )
+    s.add_argument(
         "--old-limit-gb",
         type=float,
         help="run the previous path only where its predicted peak is below this (default 14)",
@@ -593,6 +626,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--series", help="SeriesInstanceUID when the folder holds several series")
     s.add_argument(
         "--resample", action="store_true", help="interpolate uneven DICOM slice spacing onto a regular grid"
+    )
+    s.add_argument(
+        "--stream-above",
+        type=int,
+        metavar="VOXELS",
+        help="read NIfTI inputs of more voxels than this slab by slab instead of loading them (same "
+        "labels, less memory; default 134217728 = 512x512x512, or MEDSEG_STREAM_VOXELS; 0 streams always)",
     )
     s.set_defaults(func=_infer)
     return p

@@ -7,6 +7,10 @@ back through the preprocessing onto the input's grid and argmax-ed there, slab b
 not grow with the number of classes (:mod:`medseg.predict_memory`, :mod:`medseg.resample`). The label
 map has the input's shape and affine. The peak memory is predicted first; an input that cannot fit
 raises DataError.
+
+A NIfTI file above the streaming threshold (``load_image(..., stream_above=N)``, which ``medseg infer``
+sets) is not loaded: ``predict`` reads it slab by slab into the model grid and gives the same labels
+(:mod:`medseg.stream_input`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from medseg.datasets import checks
 from medseg.datasets.nifti import save_nifti
 from medseg.errors import DataError
 from medseg.predict_memory import check_fits, estimate, segment
+from medseg.stream_input import LazyVolume, stream_threshold
 
 log = logging.getLogger(__name__)
 NIFTI_SUFFIXES = checks.NIFTI_SUFFIXES
@@ -39,9 +44,19 @@ class Prediction:
     probabilities: dict[str, float] | None  # class name -> probability, classification only
 
 
-def load_image(source: str | Path, series_uid: str | None = None, resample: bool = False) -> MetaTensor:
+def load_image(
+    source: str | Path,
+    series_uid: str | None = None,
+    resample: bool = False,
+    stream_above: int | None = None,
+) -> MetaTensor | LazyVolume:
     """Read a NIfTI file, a DICOM series folder or one DICOM file (e.g. an Enhanced multi-frame image)
-    as a (C, I, J, K) MetaTensor with its RAS affine."""
+    as a (C, I, J, K) MetaTensor with its RAS affine.
+
+    With ``stream_above`` set, a 3D NIfTI file of more voxels than that is not read: a
+    :class:`medseg.stream_input.LazyVolume` (header and array proxy) is returned, which ``predict``
+    reads slab by slab (the streaming path; same labels, see :mod:`medseg.stream_input`).
+    """
     from medseg.datasets.dicom import is_dicom_file
 
     source = checks.check_input_path(
@@ -55,7 +70,14 @@ def load_image(source: str | Path, series_uid: str | None = None, resample: bool
         )
     if source.is_file() and not dicom_file:
         # header checks (size against memory, qform/sform policy) before a single voxel is decompressed
-        checks.open_nifti(source)
+        img, _ = checks.open_nifti(source, memory=stream_above is None)
+        if stream_above is not None:
+            if len(img.shape) == 3 and int(np.prod(img.shape)) > stream_above:
+                log.info(
+                    "%s: %d voxels, above %d: streaming the input", source, np.prod(img.shape), stream_above
+                )
+                return LazyVolume.open(source)
+            checks.open_nifti(source)  # loading it whole after all: the memory check applies
     image = tf.apply(tf.loader(["image"], series_uid=series_uid, resample=resample), {"image": str(source)})[
         "image"
     ]
@@ -81,11 +103,12 @@ def _check_input(bundle: Bundle, image: MetaTensor) -> None:
 @torch.no_grad()
 def predict(
     bundle: Bundle,
-    image: MetaTensor,
+    image: MetaTensor | LazyVolume,
     device: str | torch.device | None = None,
     progress: Callable[[float], None] | None = None,
 ) -> Prediction:
-    """Run ``bundle`` on a loaded image; see the module docstring for the steps."""
+    """Run ``bundle`` on a loaded image, or a streamed one (:func:`load_image` with ``stream_above``);
+    see the module docstring for the steps."""
     _check_input(bundle, image)
     cfg = bundle.config
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -93,6 +116,8 @@ def predict(
     if cfg.task == "segmentation":
         check_fits(estimate(cfg, image, len(bundle.labels)), str(image.meta.get("filename_or_obj", "input")))
     if cfg.task == "classification":
+        if isinstance(image, LazyVolume):
+            image = image.load()
         x = tf.preprocess(cfg)({"image": image})["image"][None].to(device)
         probs = torch.softmax(model(x.as_tensor()).float(), 1)[0].cpu()
         if progress:
@@ -127,8 +152,12 @@ def infer_to_file(
     output: str | Path,
     series_uid: str | None = None,
     resample: bool = False,
+    stream_above: int | None = None,
 ) -> Path:
-    """``medseg infer``: a NIfTI label map (segmentation) or a JSON of class probabilities (classification)."""
+    """``medseg infer``: a NIfTI label map (segmentation) or a JSON of class probabilities (classification).
+
+    NIfTI inputs of more than ``stream_above`` voxels (default :func:`medseg.stream_input.stream_threshold`)
+    take the streaming path."""
     bundle, output = load_bundle(run), Path(output)
     checks.prepare_output_file(output, [source], create=False)  # before the input is read
     if bundle.task == "classification" and output.suffix != ".json":
@@ -137,7 +166,8 @@ def infer_to_file(
         )
     if bundle.task == "segmentation" and not output.name.endswith(NIFTI_SUFFIXES):
         raise DataError(f"{output}: the output must be a NIfTI file name (.nii or .nii.gz)")
-    image = load_image(source, series_uid=series_uid, resample=resample)
+    threshold = stream_threshold(stream_above) if bundle.task == "segmentation" else None
+    image = load_image(source, series_uid=series_uid, resample=resample, stream_above=threshold)
     result = predict(bundle, image)
     checks.prepare_output_file(output, [source])
     if bundle.task == "classification":

@@ -49,6 +49,7 @@ from medseg.resample import (
     voxel_map,
 )
 from medseg.sliding import buffer_rows, sliding_window_slabs
+from medseg.stream_input import STREAM_SLAB_BYTES, LazyVolume, resample_streamed
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,11 @@ def estimate(
       (``SLAB_BYTES``). The only class-dependent terms are the rolling buffers and the window batch,
       neither of which grows with the volume's length. For a map that is not axis-aligned the
       whole-grid probabilities ``C N_m`` are held as well.
+
+    For a streamed input (a :class:`medseg.stream_input.LazyVolume`) the input term is 0 and
+    preprocessing holds one chunk of input slices and its float64 work (``STREAM_SLAB_BYTES``) besides
+    the model input, so the peak is ``base + 8 N_m + 2 N_in + (C + 1) R Y Z + ...``: about 2 bytes per
+    input voxel plus 8 per model voxel, instead of 6 + 8 with the input loaded as float32.
     """
     acc = torch.finfo(accumulate or ACCUMULATE_DTYPE).bits // 8
     n_in = int(np.prod(image.shape[1:4]))
@@ -117,9 +123,17 @@ def estimate(
     # UNet, whatever the class count) and the class maps of its last layers and of the output
     windows = cfg.infer.sw_batch_size * patch * (96 + 8 * (classes + 1))
     stream = 4 * n_m + acc * (classes + 1) * rows * plane + windows + 2 * n_in + SLAB_BYTES
+    if isinstance(image, LazyVolume):
+        # streamed (medseg.stream_input): nothing of the input is resident but one chunk's slices
+        # and their float64 work, bounded by STREAM_SLAB_BYTES; a map that mixes axes loads it whole
+        input_bytes = 0 if aligned else (4 + image.stored_itemsize) * n_in
+        pre = STREAM_SLAB_BYTES + 8 * n_m if aligned else 12 * n_in + 64 * n_m
+    else:
+        input_bytes = int(image.element_size() * image.numel())
+        pre = SLAB_BYTES // 2 + 8 * n_m if aligned else 12 * n_in + 64 * n_m
     return MemoryEstimate(
-        input_bytes=int(image.element_size() * image.numel()),
-        preprocess_bytes=SLAB_BYTES // 2 + 8 * n_m if aligned else 12 * n_in + 64 * n_m,
+        input_bytes=input_bytes,
+        preprocess_bytes=pre,
         stream_bytes=stream if aligned else stream + 4 * classes * n_m,
     )
 
@@ -205,10 +219,17 @@ def model_input(cfg: Config, image: MetaTensor) -> tuple[torch.Tensor, np.ndarra
     affine = np.asarray(lazy.peek_pending_affine(), dtype=np.float64)
     shape = tuple(int(n) for n in lazy.peek_pending_shape())
     m = voxel_map(np.asarray(image.affine, dtype=np.float64), affine)
+    lazy_input = isinstance(image, LazyVolume)
     if as_axis_map(m) is None:
+        if lazy_input:
+            log.info("%s: the voxel map mixes axes; loading the whole input", image.path)
+            image = image.load()
         data = tf.preprocess(cfg)({"image": image})["image"]
         return data.as_tensor(), np.asarray(data.affine, dtype=np.float64)
-    x = resample_to_model(image.as_tensor() if isinstance(image, MetaTensor) else image, m, shape)
+    if lazy_input:
+        x = resample_streamed(image, m, shape)
+    else:
+        x = resample_to_model(image.as_tensor() if isinstance(image, MetaTensor) else image, m, shape)
     x = tf.intensity_array(cfg)(x)
     return (x.as_tensor() if isinstance(x, MetaTensor) else x), affine
 

@@ -245,11 +245,14 @@ def test_bench_infer_quick_smoke(tmp_path: Path) -> None:
 
     result = bench_infer(tmp_path / "bench", quick=True, rounds=1, sizes=[(48, 40, 20)], classes=(3,))
     case = result["cases"][0]
-    assert set(case["variants"]) == {"old", "new", "new-fp16"}
+    assert set(case["variants"]) == {"old", "new", "new-stream", "new-fp16"}
     assert case["variants"]["new"]["vs_old"]["differing_voxels"] == 0
+    assert case["variants"]["new-stream"]["vs_old"]["differing_voxels"] == 0
     assert case["variants"]["new"]["peak_bytes"] > case["variants"]["new"]["runs"][0]["input_bytes"]
     checks = dict(check_targets(result))
-    assert [ok for name, ok in checks.items() if name.startswith("new labels equal old")] == [True]
+    assert [ok for name, ok in checks.items() if name.startswith("new and new-stream labels equal old")] == [
+        True
+    ]
     assert "| 48x40x20 | 3 | new |" in format_table(result)
 
 
@@ -267,7 +270,9 @@ def test_label_target_fails_beyond_near_ties() -> None:
     def label_target(b: np.ndarray) -> bool:
         cmp = compare_labels(a, b, 3, margin)
         result = {"cases": [{"shape": [6, 5, 4], "classes": 3, "variants": {"new": {"vs_old": cmp}}}]}
-        return dict((name[:20], ok) for name, ok in check_targets(result))["new labels equal old"]
+        return dict((name[:35], ok) for name, ok in check_targets(result))[
+            "new and new-stream labels equal old"
+        ]
 
     assert label_target(a.copy())
     tie = a.copy()
