@@ -28,8 +28,9 @@ backward  the coefficients a_nc = −2w/D_nc, b_nc = w(2 I_nc + s_n)/D_nc², e =
 
 Exact up to the order of floating-point sums (slab by slab instead of all at once). Saved for
 backward: h (the same storage the layer before keeps, so no new bytes), W, β, the labels (uint8)
-and the (N, C) coefficients. Alive at once: one slab's logits and logits gradient (at most
-``SLAB_BYTES``) and the full ∂h, which the rest of backward needs anyway. The slab loss terms and
+and the (N, C) coefficients. Alive at once: one slab's logits, logits gradient and their
+convolution buffers (a slab holds at most ``SLAB_BYTES`` of the wider of h and the logits, counted
+with channels padded to oneDNN's blocks of 16, since a 3-class map is convolved as 16) and the full ∂h, which the rest of backward needs anyway. The slab loss terms and
 logits gradients run on ``loss.py``'s native CPU/CUDA kernels (``ops_for``), the PyTorch reference
 without them; the convolutions are PyTorch's own (oneDNN / cuDNN).
 
@@ -62,12 +63,19 @@ from torch import nn
 from medseg.kernels import loss as _loss
 from medseg.kernels.loss import _coefficients, label_tensor
 
-SLAB_BYTES = 4 * 2**20  # one slab's logits (batch and classes included) at most, roughly
+SLAB_BYTES = 4 * 2**20  # one slab's map of the wider of h and the logits, channels padded to 16
+BLOCK = 16  # oneDNN convolves in blocks of 16 channels (AVX-512; 8 on AVX2): a 3-channel map costs 16
 
 
 def _slabs(depth: int, per_depth_bytes: int) -> list[tuple[int, int]]:
     step = max(1, min(depth, SLAB_BYTES // max(per_depth_bytes, 1)))
     return [(d, min(d + step, depth)) for d in range(0, depth, step)]
+
+
+def _per_depth_bytes(h: torch.Tensor, classes: int) -> int:
+    """Bytes of one depth row of the wider of h and the logits in oneDNN's channel-blocked layout."""
+    channels = -(-max(h.shape[1], classes) // BLOCK) * BLOCK
+    return h.shape[0] * channels * h.shape[3] * h.shape[4] * h.element_size()
 
 
 def _slab_input(h: torch.Tensor, d0: int, d1: int, p: int) -> tuple[torch.Tensor, int, int]:
@@ -98,7 +106,7 @@ class _HeadDiceCE(torch.autograd.Function):
         p = weight.shape[2] // 2
         stats = torch.zeros(n, c, 3, dtype=torch.float64, device=h.device)
         ce_sum = torch.zeros(n, dtype=torch.float64, device=h.device)
-        slabs = _slabs(depth, n * c * plane * h.element_size())
+        slabs = _slabs(depth, _per_depth_bytes(h, c))
         with torch.no_grad():
             for d0, d1 in slabs:
                 z, *_ = _slab_logits(h, weight, bias, d0, d1, p, residual)
