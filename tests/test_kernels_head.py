@@ -140,8 +140,18 @@ def _small(net: str, classes: int) -> nn.Module:
     if net == "unet":
         return UNet(3, 1, classes, channels=(4, 8, 16), strides=(2, 2), num_res_units=2, norm="instance")
     if net == "dynunet":
-        return DynUNet(3, 1, classes, kernel_size=[3, 3, 3], strides=[1, 2, 2], upsample_kernel_size=[2, 2], filters=[4, 8, 16])
-    return SegResNet(3, init_filters=8, in_channels=1, out_channels=classes, blocks_down=(1, 1), blocks_up=(1,))
+        return DynUNet(
+            3,
+            1,
+            classes,
+            kernel_size=[3, 3, 3],
+            strides=[1, 2, 2],
+            upsample_kernel_size=[2, 2],
+            filters=[4, 8, 16],
+        )
+    return SegResNet(
+        3, init_filters=8, in_channels=1, out_channels=classes, blocks_down=(1, 1), blocks_up=(1,)
+    )
 
 
 @pytest.mark.parametrize("net,classes", [("unet", 14), ("unet", 3), ("dynunet", 3)])
@@ -201,11 +211,15 @@ def test_task_step_loss_uses_the_fused_head(tmp_path):
     from medseg.tasks import SegmentationTask
 
     base = {"task": "segmentation", "data": {"dir": str(tmp_path)}}
-    task = SegmentationTask(config_from_dict({**base, "train": {"memory": "fused"}}), {0: "bg", 1: "a", 2: "b"})
+    task = SegmentationTask(
+        config_from_dict({**base, "train": {"memory": "fused"}}), {0: "bg", 1: "a", 2: "b"}
+    )
     model = _small("unet", 3)
     optimize_memory(model)
     calls = []
-    model.__dict__["_medseg_head_module"].register_forward_hook(lambda m, i, o: calls.append(fused_head.deferred(o)))
+    model.__dict__["_medseg_head_module"].register_forward_hook(
+        lambda m, i, o: calls.append(fused_head.deferred(o))
+    )
     x, y = torch.randn(1, 1, 16, 16, 16), torch.randint(0, 3, (1, 1, 16, 16, 16)).float()
     task.step_loss(model, x, y).backward()
     assert calls and calls[0] is not None
