@@ -273,7 +273,11 @@ class PartsConv(nn.Module):
         k = self.weight.shape[2:]
         cout = self.weight.shape[1] if self.transposed else self.weight.shape[0]
         size = cout * x.shape[0] * x.element_size()
-        op = self.output_padding if isinstance(self.output_padding, tuple) else (self.output_padding,) * self.dims
+        op = (
+            self.output_padding
+            if isinstance(self.output_padding, tuple)
+            else (self.output_padding,) * self.dims
+        )
         for i, n in enumerate(x.shape[2:]):
             s, p, d = self.stride[i], self.padding[i], self.dilation[i]
             if self.transposed:

@@ -54,9 +54,13 @@ class MemoryReport:
             f"  slabs   {path}: narrow input, run in depth slabs (kernels/slab.py)" for path in self.sliced
         ]
         if self.head is not None:
-            lines.append(f"  head    {self.head}: last convolution fused with the Dice+CE loss (kernels/head.py)")
+            lines.append(
+                f"  head    {self.head}: last convolution fused with the Dice+CE loss (kernels/head.py)"
+            )
         else:
-            lines.append(f"  head    not fused with the loss ({self.head_reason}); the fused loss takes the logits")
+            lines.append(
+                f"  head    not fused with the loss ({self.head_reason}); the fused loss takes the logits"
+            )
         return "\n".join(lines)
 
 

@@ -135,7 +135,11 @@ class _HeadDiceCE(torch.autograd.Function):
         p = weight.shape[2] // 2
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         g = grad.double()
-        aw, bw, e = (a * g * scale[0]).contiguous(), (b * g * scale[0]).contiguous(), (g * scale[1]).reshape(1)
+        aw, bw, e = (
+            (a * g * scale[0]).contiguous(),
+            (b * g * scale[0]).contiguous(),
+            (g * scale[1]).reshape(1),
+        )
         grad_h = torch.zeros_like(h) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
         grad_b = torch.zeros_like(bias) if need_b and bias is not None else None
