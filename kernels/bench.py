@@ -3,7 +3,8 @@
 Cases are networks with 3 classes (medseg's defaults; ``--quick`` halves their channels) plus
 ``unet-14cls``: UNet at the default width with 14 classes (BTCV's labels), where the loss's maps are
 a visible share of the peak. ``fused`` means fused norm+activation layers *and* the fused Dice+CE
-loss (``train.memory: fused``); the other variants train with MONAI's ``DiceCELoss``.
+loss (``train.memory: fused``), into which the network's last convolution is fused where it can be
+(``head.py``: UNet and DynUNet, not SegResNet); the other variants train with MONAI's ``DiceCELoss``.
 
 Every (net, variant) pair is measured in its own process by :mod:`medseg.kernels.measure` (a fresh
 allocator is the only honest peak). Ratios are against ``baseline`` from the same run. The largest
@@ -207,7 +208,7 @@ def format_breakdown(result: dict[str, Any]) -> str:
         "Peak breakdown (MiB). Phase peaks: forward / loss / backward / optimizer, each above the step's "
         "start. The peak is split into maps saved for backward (network + loss), the loss's transient "
         "maps (its phase peak beyond what is saved), parameter gradients (exact), the logits' "
-        "gradient, and the remainder: convolution workspace and allocator slack.",
+        "gradient (0 where the last convolution is fused with the loss: one slab's at a time), and the remainder: convolution workspace and allocator slack.",
         "",
         "| case | variant | fwd / loss / bwd / opt | peak in | saved | loss transient | param grads "
         "| logits grad | workspace + allocator |",
@@ -260,7 +261,8 @@ def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None) 
         f"## Memory: `medseg bench memory{' --quick' if result['quick'] else ''}`\n\n"
         f"Patch {result['patch']}³, channel width {result['width']}x medseg's defaults (unet-14cls: UNet at "
         f"1.0x with 14 classes), batch {result['batch']}, "
-        f"DiceCE loss (fused: the fused Dice+CE loss, others: MONAI's DiceCELoss), AdamW, on "
+        f"DiceCE loss (fused: the fused Dice+CE loss, with the last convolution fused into it for UNet and "
+        f"DynUNet, so no full logits or logits gradient exist; others: MONAI's DiceCELoss), AdamW, on "
         f"{result['device']}; each variant in its own process; step time is the median "
         f"of {result['steps']} steps after warm-up. Peak is what one training step needs above the memory in "
         f"use before it (docs/design.md's CPU recipe: VmHWM with MALLOC_MMAP_THRESHOLD_=65536). Ratios are against "

@@ -227,14 +227,64 @@ class FusedUnetResBlock(nn.Module):
         return self.lrelu(out + residual)
 
 
+class _CatConvFn(torch.autograd.Function):
+    """``conv(cat(a, b), W, β)`` that saves ``a`` and ``b``, not the concatenation (rebuilt in backward).
+
+    backward: ``(∂x, ∂W, ∂β) = convolution_backward(∂y, cat(a, b), W)``, ``∂a, ∂b = split(∂x)``.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, weight, bias, parts):
+        with torch.no_grad():
+            out = parts._conv(torch.cat((a, b), 1), weight, bias)
+        ctx.save_for_backward(a, b, weight)
+        ctx.parts, ctx.has_bias = parts, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, weight = ctx.saved_tensors
+        p = ctx.parts
+        need = [ctx.needs_input_grad[0] or ctx.needs_input_grad[1], ctx.needs_input_grad[2], False]
+        x = torch.cat((a, b), 1)
+        gx, gw, _ = torch.ops.aten.convolution_backward(
+            grad.contiguous(), x, weight, None, list(p.stride), list(p.padding), list(p.dilation),
+            p.transposed, list(p.output_padding) if p.transposed else [0] * p.dims, 1, need,
+        )  # fmt: skip
+        del x
+        ga, gb = gx.split([a.shape[1], b.shape[1]], 1) if gx is not None else (None, None)
+        gbias = grad.sum([0, *range(2, grad.dim())]) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return ga, gb, gw, gbias, None
+
+
 class PartsConv(nn.Module):
     """A convolution that also takes its input as channel parts ``(a, b)`` instead of ``cat(a, b)``.
 
     ``conv(cat(a, b), W) = conv(a, W_a) + conv(b, W_b)`` with ``W`` split along its input channels,
     so the concatenated map is never built: autograd keeps ``a`` and ``b``, and ``a`` (a skip
-    connection) is kept by the encoder's own convolution anyway. Holds the original parameters
-    under the original names (``weight``, ``bias``).
+    connection) is kept by the encoder's own convolution anyway. That sum needs two outputs at once;
+    where the output is larger than the concatenated input (UNet's upsampling transposed
+    convolutions: 8x the voxels), :class:`_CatConvFn` convolves a transient ``cat(a, b)`` instead,
+    still saving only ``a`` and ``b``. Holds the original parameters under the original names
+    (``weight``, ``bias``).
     """
+
+    def _out_bytes(self, x: torch.Tensor) -> int:
+        k = self.weight.shape[2:]
+        cout = self.weight.shape[1] if self.transposed else self.weight.shape[0]
+        size = cout * x.shape[0] * x.element_size()
+        op = (
+            self.output_padding
+            if isinstance(self.output_padding, tuple)
+            else (self.output_padding,) * self.dims
+        )
+        for i, n in enumerate(x.shape[2:]):
+            s, p, d = self.stride[i], self.padding[i], self.dilation[i]
+            if self.transposed:
+                size *= (n - 1) * s - 2 * p + d * (k[i] - 1) + op[i] + 1
+            else:
+                size *= (n + 2 * p - d * (k[i] - 1) - 1) // s + 1
+        return size
 
     def __init__(self, conv: nn.Module):
         super().__init__()
@@ -255,6 +305,8 @@ class PartsConv(nn.Module):
         if not isinstance(x, tuple):
             return self._conv(x, self.weight, self.bias)
         a, b = x
+        if (a.numel() + b.numel()) * a.element_size() < self._out_bytes(a) and a.dim() == self.dims + 2:
+            return _CatConvFn.apply(a, b, self.weight, self.bias, self)
         ca = a.shape[1]
         # Input channels are dim 1 of a convolution's weight and dim 0 of a transposed one's.
         w_a, w_b = (

@@ -25,6 +25,7 @@ from medseg.kernels.blocks import (
     splittable_conv,
 )
 from medseg.kernels.functions import NOT_INVERTIBLE, NormActSpec
+from medseg.kernels.head import fuse_head
 from medseg.kernels.slab import slice_narrow_convs
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class MemoryReport:
     skipped: dict[str, str] = field(default_factory=dict)
     replaced: dict[int, nn.Module] = field(default_factory=dict, repr=False)  # id(original) -> replacement
     sliced: list[str] = field(default_factory=list)  # narrow-input convolutions run in depth slabs
+    head: str | None = None  # the head fused with the Dice+CE loss (kernels/head.py), or None
+    head_reason: str = ""  # why the head is not fused
 
     def format(self) -> str:
         cats = sum(path.endswith(".cat") for path in self.converted)
@@ -50,6 +53,14 @@ class MemoryReport:
         lines += [
             f"  slabs   {path}: narrow input, run in depth slabs (kernels/slab.py)" for path in self.sliced
         ]
+        if self.head is not None:
+            lines.append(
+                f"  head    {self.head}: last convolution fused with the Dice+CE loss (kernels/head.py)"
+            )
+        else:
+            lines.append(
+                f"  head    not fused with the loss ({self.head_reason}); the fused loss takes the logits"
+            )
         return "\n".join(lines)
 
 
@@ -204,13 +215,16 @@ def optimize_memory(model: nn.Module) -> MemoryReport:
     Converted: MONAI ``UNet`` (ADN blocks), ``SegResNet`` (``ResBlock`` and the final
     norm-act-conv), ``DynUNet`` (``UnetBasicBlock``/``UnetResBlock``), and any ``nn.Sequential`` with a
     norm directly followed by a supported activation. Convolutions with at most 4 input channels
-    (the network's first) run in depth slabs on CPU (``slab.py``). Parameter names, and so state_dicts,
+    (the network's first) run in depth slabs on CPU (``slab.py``). The network's last convolution is
+    made ready to be fused with the Dice+CE loss where it can be (``head.py``; it acts only inside
+    ``deferred_head(model)``, which training enters). Parameter names, and so state_dicts,
     checkpoints and exported bundles, are unchanged. Every norm layer appears in the report, either
     as converted or as skipped with the reason.
     """
     report = MemoryReport()
     _walk(model, "", report, inplace_first=False)
     report.sliced = slice_narrow_convs(model)
+    report.head, report.head_reason = fuse_head(model)
     if report.converted and not getattr(model, "_medseg_refresh_hook", None):
         # one device-to-host transfer per forward for all layers' invertibility, not one per layer
         model.__dict__["_medseg_refresh_hook"] = model.register_forward_pre_hook(refresh_invertibility)

@@ -158,6 +158,8 @@ class FusedDiceCELoss(nn.Module):
     """Drop-in for ``monai.losses.DiceCELoss(to_onehot_y=True, softmax=True, ...)`` (module docstring).
 
     ``forward(logits (N, C, *spatial), target (N, 1, *spatial) or (N, *spatial) class indices)``.
+    ``logits`` may be the placeholder a fused head returns (``head.py``): the loss then makes the
+    logits from the head's input slab by slab.
     """
 
     def __init__(
@@ -197,6 +199,15 @@ class FusedDiceCELoss(nn.Module):
         self.smooth_nr, self.smooth_dr = float(smooth_nr), float(smooth_dr)
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        head = logits.__dict__.get("_medseg_head")
+        if head is not None:  # a fused head's placeholder (head.py): the logits are made slab by slab
+            from medseg.kernels.head import head_dice_ce
+
+            h, conv, residual = head
+            return head_dice_ce(
+                h, conv, residual, target, self.include_background, self.lambda_dice, self.lambda_ce,
+                self.smooth_nr, self.smooth_dr,
+            )  # fmt: skip
         if logits.dim() < 3:
             raise ValueError(f"logits must be (N, C, *spatial), got {tuple(logits.shape)}")
         c = logits.shape[1]

@@ -23,7 +23,9 @@ per variant, because peak memory is only honest in a fresh process (docs/design.
   an upper bound on what is saved at the peak's instant.
 
 The variant ``fused`` uses :class:`medseg.kernels.loss.FusedDiceCELoss` (what ``train.memory:
-fused`` trains with); the other variants MONAI's ``DiceCELoss(to_onehot_y=True, softmax=True)``.
+fused`` trains with), fused with the network's last convolution where that fuses (``head.py``:
+UNet, DynUNet; ``head_fused`` in the result says which; the logits' gradient is then only ever one
+slab's and counted as 0); the other variants MONAI's ``DiceCELoss(to_onehot_y=True, softmax=True)``.
 Labels are float (N, 1, *spatial) class maps of smooth blobs, as medseg's pipeline hands them over,
 with every class present.
 """
@@ -251,10 +253,21 @@ def measure(
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    from medseg.kernels.head import deferred_head
+
+    # fused: the network's last convolution is fused with the loss where it can be (kernels/head.py)
+    head_fused = variant == "fused" and model.__dict__.get("_medseg_head_module") is not None
+
+    def net_forward(inp: torch.Tensor) -> torch.Tensor:
+        if not head_fused:
+            return forward(inp)
+        with deferred_head(model):
+            return forward(inp)
+
     def step(meter: PhaseMeter | None = None) -> None:
         mark = meter.mark if meter is not None else (lambda phase: None)
         opt.zero_grad(set_to_none=True)
-        out = forward(x)
+        out = net_forward(x)
         mark("forward")
         loss = loss_fn(out, y)
         del out
@@ -287,9 +300,10 @@ def measure(
     for _ in range(steps):
         timed_step()
     opt.zero_grad(set_to_none=True)
-    net_saved, loss_saved = saved_bytes_split(forward, params, x, loss_fn, y)
+    net_saved, loss_saved = saved_bytes_split(net_forward, params, x, loss_fn, y)
     grads = sum(p.numel() * p.element_size() for p in params)
-    logits = batch * classes * x[0, 0].numel() * x.element_size()
+    # the loss's gradient w.r.t. the logits: full size, or one slab's with a fused head
+    logits = 0 if head_fused else batch * classes * x[0, 0].numel() * x.element_size()
     peak_phase = max(phases, key=phases.get)
     breakdown = {
         "peak_phase": peak_phase,
@@ -310,6 +324,7 @@ def measure(
         "step_cpu_s": statistics.median(cpu_times),
         "steps": steps,
         "classes": classes,
+        "head_fused": head_fused,
         "shape": list(shape),
         "batch": batch,
         "params": sum(p.numel() for p in params),

@@ -45,12 +45,26 @@ class SegmentationTask:
             from medseg.kernels.loss import FusedDiceCELoss
 
             self.loss: torch.nn.Module = FusedDiceCELoss()
-            log.info("train.memory=fused: fused Dice+CE loss (no softmax/one-hot maps kept)")
+            log.info(
+                "train.memory=fused: fused Dice+CE loss (no softmax/one-hot maps kept; with the "
+                "network's last convolution where it fuses, no logits either)"
+            )
         else:
             self.loss = DiceCELoss(to_onehot_y=True, softmax=True)
 
     def targets(self, batch: dict[str, Any], device: torch.device) -> torch.Tensor:
         return batch["label"].to(device)
+
+    def step_loss(self, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss of one batch. With train.memory=fused and a fused head
+        (medseg.kernels.head), the model returns a placeholder and the loss makes the logits slab by slab."""
+        if self.cfg.train.memory != "fused":
+            return self.loss(model(inputs), targets)
+        from medseg.kernels.head import deferred_head
+
+        with deferred_head(model):
+            out = model(inputs)
+        return self.loss(out, targets)
 
     @torch.no_grad()
     def validate(self, model: torch.nn.Module, loader: Any, device: torch.device) -> dict[str, Any]:
@@ -92,6 +106,9 @@ class ClassificationTask:
 
     def targets(self, batch: dict[str, Any], device: torch.device) -> torch.Tensor:
         return torch.as_tensor(batch["label"]).long().to(device)
+
+    def step_loss(self, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss(model(inputs), targets)
 
     @torch.no_grad()
     def validate(self, model: torch.nn.Module, loader: Any, device: torch.device) -> dict[str, Any]:

@@ -211,7 +211,7 @@ def _train(
     def profile_step() -> int:
         """One forward and backward pass (no update), for measuring this rank's speed."""
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-            loss = task.loss(model(probe["image"]), probe["target"])
+            loss = task.step_loss(model, probe["image"], probe["target"])
         loss.backward()
         model.zero_grad(set_to_none=True)
         return int(probe["image"].shape[0])
@@ -282,7 +282,7 @@ def _train(
             optimizer.zero_grad(set_to_none=True)
             with session.compute():
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
-                    loss = task.loss(model(inputs), targets)
+                    loss = task.step_loss(model, inputs, targets)
                 scaler.scale(loss).backward()
             if scaler.is_enabled():
                 scaler.step(optimizer)
