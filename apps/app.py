@@ -571,7 +571,7 @@ def current_second(loaded: dict[str, Any]) -> dict[str, Any] | None:
 def _keep_second(
     loaded: dict[str, Any], source: Any, name: str, label: np.ndarray, affine: np.ndarray
 ) -> None:
-    nifti = viewport.nifti_bytes(label, affine, True)
+    nifti = viewport.nifti_bytes(review.outline(label), affine, True)  # drawn as edges
     st.session_state["second"] = {
         "case": loaded["key"],
         "source": source,

@@ -93,3 +93,13 @@ def test_dice_per_label() -> None:
     assert rows["lesion"]["Dice"] == 0.0
     assert rows["cyst"]["Dice"] is None  # in neither mask
     assert "background" not in rows
+
+
+def test_outline_keeps_only_edges() -> None:
+    lab = np.zeros((7, 7, 7), np.uint8)
+    lab[1:6, 1:6, 1:6] = 2
+    edge = review.outline(lab)
+    assert edge[3, 3, 3] == 0  # inside
+    assert edge[1, 3, 3] == 2 and edge[3, 5, 3] == 2  # faces
+    assert int((edge > 0).sum()) == 5**3 - 3**3
+    assert not edge[lab == 0].any()

@@ -58,7 +58,6 @@
     if (vals.length) text += `   intensity ${fmt(vals[0].value, 1)}`;
     const name = (v) => { const lab = state.labels.find((l) => l.value === v); return v === 0 ? "none" : lab ? lab.name : v; };
     if (vals.length > 1) text += `   label ${name(Math.round(vals[1].value))}`;
-    if (vals.length > 2) text += `   ${state.secondName || "second mask"} ${name(Math.round(vals[2].value))}`;
     document.getElementById("readout").textContent = text;
     if (typeof data.axCorSag === "number" && data.axCorSag >= 0 && data.axCorSag <= 2) state.plane = data.axCorSag;
   }
@@ -79,7 +78,7 @@
     return lut;
   }
 
-  const SECOND_COLOUR = [0, 230, 255]; // the second mask: every label in cyan, beside the model's colours
+  const SECOND_COLOUR = [0, 230, 255]; // the second mask: its edges (made in Python) in cyan over the model's colours
 
   function applyLabels() {
     const nv = state.nv;
