@@ -99,14 +99,16 @@ def read_mask(name: str, data: bytes, shape: Sequence[int], affine: np.ndarray) 
     return np.asarray(arr, dtype=np.uint8)
 
 
-def outline(label: np.ndarray) -> np.ndarray:
-    """The label map's edges: voxels whose label differs from one of their 6 neighbours' (0 elsewhere).
+def outline(label: np.ndarray, axes: Sequence[int] = (0, 1)) -> np.ndarray:
+    """The label map's edges within each slice: voxels whose label differs from a neighbour's along
+    ``axes`` (by default i and j, the scan's own slice plane); 0 elsewhere.
 
     The second mask is drawn this way so that the model's filled overlay stays visible under it.
+    Edges in 3D would fill whole slices at a thin object's top and bottom.
     """
     lab = np.asarray(label)
     edge = np.zeros(lab.shape, dtype=bool)
-    for axis in range(lab.ndim):
+    for axis in axes:
         ahead = np.diff(lab, axis=axis) != 0
         lo = [slice(None)] * lab.ndim
         hi = [slice(None)] * lab.ndim

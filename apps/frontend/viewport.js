@@ -72,7 +72,7 @@
       lut.R.push(c[0]);
       lut.G.push(c[1]);
       lut.B.push(c[2]);
-      lut.A.push(l && i > 0 && l.shown ? Math.round(255 * l.opacity) : 0);
+      lut.A.push(l && i > 0 && l.shown ? (colour ? 255 : Math.round(255 * l.opacity)) : 0); // edges: opaque
       lut.labels.push(l ? l.name : i === 0 ? "" : String(i));
     }
     return lut;
