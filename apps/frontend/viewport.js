@@ -353,11 +353,9 @@
     }
     const secondId = args.second_id || "none";
     if (args.labels_id !== state.labelsId || secondId !== state.secondId) {
+      if (state.tool) setTool(state.tool); // the tool goes off while the overlays are replaced
+      if (state.editing) nv.closeDrawing();
       while (nv.volumes.length > 1) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
-      if (state.editing || state.tool) { // a new label map: edits of the old one are gone
-        if (state.tool) setTool(state.tool);
-        nv.closeDrawing();
-      }
       if (args.labels_id !== state.labelsId) {
         state.editing = false;
         state.edits = null;
