@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from medseg.apps import render, trust, upload, viewport
+from medseg.apps import render, review, trust, upload, viewport
 from medseg.apps.export import dicom_seg_export, mask_nifti_bytes
 from medseg.apps.inference import Result, run_model
 from medseg.apps.messages import problem as _problem
@@ -52,15 +52,21 @@ def cached_facts(info: ModelInfo) -> trust.TrainingFacts:
     return _facts(str(info.bundle), info.mtime, info)
 
 
+def all_models() -> tuple[list[ModelInfo], list[str]]:
+    """The models in the default folders and the one typed into 'Another model folder'."""
+    extra = str(st.session_state.get("extra_folder", "") or "")
+    folders = [str(p) for p in default_folders()] + ([extra.strip()] if extra.strip() else [])
+    return cached_models(tuple(folders))
+
+
 def sidebar_models() -> ModelInfo | None:
     st.sidebar.title("medseg viewer")
-    extra = st.sidebar.text_input(
+    st.sidebar.text_input(
         "Another model folder",
         key="extra_folder",
         help="A bundle folder, a run folder, or a folder of runs on this machine.",
     )
-    folders = [str(p) for p in default_folders()] + ([extra.strip()] if extra.strip() else [])
-    models, problems = cached_models(tuple(folders))
+    models, problems = all_models()
     for p in problems:
         st.sidebar.warning(p)
     if not models:
@@ -117,6 +123,7 @@ def _store_image(key: Any, image: Any, source: str, case: str, headers: list | N
         "error": None,
     }
     st.session_state.pop("result", None)
+    st.session_state.pop("second", None)
     _reset_view(view)
 
 
@@ -372,11 +379,14 @@ def static_panels(
     )
 
 
-def viewer(loaded: dict[str, Any], stored: dict[str, Any] | None, info: ModelInfo) -> None:
+def viewer(
+    loaded: dict[str, Any], stored: dict[str, Any] | None, info: ModelInfo, second: dict[str, Any] | None
+) -> dict[str, Any] | None:
     """The NiiVue viewport, or the static panels where WebGL (or the vendored viewer) is missing.
 
     The browser reports whether WebGL 2 works once the viewport starts; until it has (and in
-    AppTest, which runs no JavaScript) the static panels are drawn as well.
+    AppTest, which runs no JavaScript) the static panels are drawn as well. Returns the viewport's
+    report (with the user's label edits, if any), or None.
     """
     level, width, opacity, crosshair = display_controls(loaded)
     labels = stored["labels_view"] if stored is not None else None
@@ -403,6 +413,10 @@ def viewer(loaded: dict[str, Any], stored: dict[str, Any] | None, info: ModelInf
             level,
             width,
             opacity,
+            editable=lab_bytes is not None,
+            second=second["nifti"] if second and lab_bytes is not None else None,
+            second_id=second["id"] if second and lab_bytes is not None else "none",
+            second_name=second["name"] if second else "",
         )
         if reported is None:
             show_static = True  # until the browser says whether WebGL works
@@ -414,6 +428,8 @@ def viewer(loaded: dict[str, Any], stored: dict[str, Any] | None, info: ModelInf
             show_static = True
     if show_static:
         static_panels(loaded, labels, level, width, opacity, crosshair)
+        return None
+    return reported
 
 
 def metadata_panel(loaded: dict[str, Any]) -> None:
@@ -479,6 +495,181 @@ def results_panel(info: ModelInfo, stored: dict[str, Any], warnings: list[str]) 
         st.warning(stored["dicom_seg_problem"])
 
 
+def corrections_panel(
+    info: ModelInfo, loaded: dict[str, Any], stored: dict[str, Any], reported: dict[str, Any] | None
+) -> None:
+    """The user's brush and eraser edits: what changed, and the corrected mask's downloads."""
+    st.subheader("Corrections")
+    edits = (reported or {}).get("edits")
+    if not edits or edits.get("base") != stored["labels_id"] or not edits.get("changed"):
+        st.caption(
+            "To correct the mask, press Brush or Eraser above the image and paint with the left "
+            "button; Undo takes back the last stroke. The corrected mask can then be downloaded here."
+        )
+        return
+    key = (stored["labels_id"], int(edits.get("seq", 0)))
+    kept = st.session_state.get("corrected")
+    if not kept or kept["key"] != key:
+        try:
+            label = review.edited_label(stored["result"].prediction.label, edits["runs"])
+            kept = {"key": key, "label": label, "mask": mask_nifti_bytes(label), "seg": None, "problem": None}
+            if loaded["source"] == "DICOM" and loaded.get("headers"):
+                kept["seg"] = dicom_seg_export(
+                    label, loaded["headers"], info.labels, info.name, corrected=True
+                ).data
+        except Exception as e:  # noqa: BLE001 - the page keeps working
+            st.error(_problem(e))
+            return
+        st.session_state["corrected"] = kept
+    voxel_ml = float(abs(np.linalg.det(np.asarray(kept["label"].affine)[:3, :3]))) / 1000.0
+    fixed = kept["label"][0].numpy()
+    st.caption(f"{int(edits['changed'])} voxels differ from {info.name}'s mask.")
+    st.table(
+        pd.DataFrame(
+            [
+                {
+                    "label": name,
+                    "voxels": int((fixed == k).sum()),
+                    "volume (mL)": f"{int((fixed == k).sum()) * voxel_ml:.2f}",
+                }
+                for k, name in sorted(info.labels.items())
+                if k != 0
+            ]
+        ),
+        hide_index=True,
+    )
+    stem = stored["names"]["mask"].removesuffix("-mask.nii.gz")
+    st.download_button(
+        "Download corrected mask (NIfTI, original geometry)",
+        data=kept["mask"],
+        file_name=f"{stem}-corrected-mask.nii.gz",
+        mime="application/gzip",
+        key="download_corrected",
+        on_click="ignore",
+    )
+    if kept["seg"] is not None:
+        st.download_button(
+            "Download corrected DICOM-SEG",
+            data=kept["seg"],
+            file_name=f"{stem}-corrected-seg.dcm",
+            mime="application/dicom",
+            key="download_corrected_seg",
+            on_click="ignore",
+        )
+
+
+def current_second(loaded: dict[str, Any]) -> dict[str, Any] | None:
+    """The second mask kept for this case, if any, and if the Compare choice is its kind (a mask
+    file or another model)."""
+    second = st.session_state.get("second")
+    if not second or second["case"] != loaded["key"]:
+        return None
+    want = {UPLOAD_MASK: "file", OTHER_MODEL: "model"}.get(st.session_state.get("compare", NO_SECOND))
+    return second if second["source"][0] == want else None
+
+
+def _keep_second(
+    loaded: dict[str, Any], source: Any, name: str, label: np.ndarray, affine: np.ndarray
+) -> None:
+    nifti = viewport.nifti_bytes(review.outline(label), affine, True)  # drawn as edges
+    st.session_state["second"] = {
+        "case": loaded["key"],
+        "source": source,
+        "name": name,
+        "label": np.asarray(label, dtype=np.uint8),
+        "nifti": nifti,
+        "id": viewport.digest(nifti),
+    }
+
+
+NO_SECOND, UPLOAD_MASK, OTHER_MODEL = "Nothing", "A mask file", "Another model"
+
+
+def compare_panel(
+    info: ModelInfo, loaded: dict[str, Any], stored: dict[str, Any], second: dict[str, Any] | None
+) -> None:
+    """A second mask beside the model's (an uploaded label file or another model's result) and
+    Dice per label between the two."""
+    st.subheader("Compare")
+    mode = st.radio(
+        "Compare the model's mask with", [NO_SECOND, UPLOAD_MASK, OTHER_MODEL], horizontal=True, key="compare"
+    )
+    if mode == UPLOAD_MASK:
+        gen = int(st.session_state.get("mask_gen", 0))
+        file = st.file_uploader(
+            "A label map of this case (.nii or .nii.gz, on the scan's own voxel grid)",
+            type=["nii", "gz"],
+            key=f"mask_upload_{gen}",
+        )
+        if file is not None:
+            st.session_state["mask_gen"] = gen + 1  # taken out of the picker: a new file replaces it
+            image = loaded["image"]
+            try:
+                label = review.read_mask(
+                    file.name, file.getvalue(), tuple(image.shape[1:]), image.affine.numpy()
+                )
+            except Exception as e:  # noqa: BLE001 - shown in the page
+                st.session_state["mask_problem"] = _problem(e)
+            else:
+                st.session_state.pop("mask_problem", None)
+                _keep_second(loaded, ("file", file.name), file.name, label, image.affine.numpy())
+            st.rerun()
+        if st.session_state.get("mask_problem"):
+            st.error(st.session_state["mask_problem"])
+    elif mode == OTHER_MODEL:
+        models, _ = all_models()
+        others = [m for m in models if m.task == "segmentation" and str(m.bundle) != str(info.bundle)]
+        if not others:
+            st.info("There is no other segmentation model in the model folders to compare with.")
+        else:
+            by_path = {str(m.bundle): m for m in others}
+            chosen = st.selectbox(
+                "Second model", list(by_path), format_func=lambda p: by_path[p].title, key="second_model"
+            )
+            other = by_path[chosen]
+            source = ("model", str(other.bundle), other.mtime)
+            if (second is None or second["source"] != source) and st.button(
+                f"Run {other.name} on this case", key="run_second"
+            ):
+                bar = st.progress(0.0, text="Loading the second model…")
+                try:
+                    bundle = cached_bundle(str(other.bundle), other.mtime)
+                    result = run_model(bundle, loaded["image"], progress=lambda f, t: bar.progress(f, text=t))
+                    label = result.prediction.label
+                    if label is None:
+                        raise ValueError(f"{other.name} gave no label map")
+                except Exception as e:  # noqa: BLE001
+                    bar.empty()
+                    st.error(_problem(e))
+                else:
+                    bar.empty()
+                    _keep_second(loaded, source, other.name, label[0].numpy(), label.affine.numpy())
+                    st.rerun()
+    second = current_second(loaded)
+    if second is None:
+        return
+    model_mask = stored["result"].prediction.label[0].numpy()
+    rows = review.dice_table(model_mask, second["label"], info.labels)
+    st.caption(
+        f"Shown in cyan beside {info.name}'s mask: {second['name']}. Dice = 2|A∩B| / (|A| + |B|), "
+        "1 is identical, 0 no overlap."
+    )
+    st.table(
+        pd.DataFrame(
+            [
+                {
+                    "label": r["label"],
+                    f"{info.name} voxels": r["voxels A"],
+                    f"{second['name']} voxels": r["voxels B"],
+                    "Dice": "both empty" if r["Dice"] is None else f"{r['Dice']:.3f}",
+                }
+                for r in rows
+            ]
+        ),
+        hide_index=True,
+    )
+
+
 def trust_section(info: ModelInfo, loaded: dict[str, Any]) -> list[str]:
     """Warnings where this input lies outside what the model was trained on (kept per image and model)."""
     key = (loaded["key"], str(info.bundle), info.mtime)
@@ -515,12 +706,16 @@ def main() -> None:
     result = model_section(info, loaded)
     stored = st.session_state.get("result") if result is not None else None
     top = st.columns([2, 1])
+    second = current_second(loaded) if stored is not None else None
+    with top[0]:  # drawn first: the viewport's report (the user's edits) feeds the panels beside it
+        reported = viewer(loaded, stored, info, second)
     with top[1]:
         metadata_panel(loaded)
         if stored is not None:
             results_panel(info, stored, warnings)
-    with top[0]:
-        viewer(loaded, stored, info)
+            if stored["result"].task == "segmentation" and stored["result"].prediction.label is not None:
+                corrections_panel(info, loaded, stored, reported)
+                compare_panel(info, loaded, stored, second)
     st.caption("Research use only; not for clinical decisions.")
 
 

@@ -115,9 +115,16 @@ def _codes(name: str):
 
 
 def mask_dicom_seg_bytes(
-    label: MetaTensor, sources: Sequence[Dataset], labels: dict[int, str], model: str
+    label: MetaTensor,
+    sources: Sequence[Dataset],
+    labels: dict[int, str],
+    model: str,
+    corrected: bool = False,
 ) -> bytes:
     """A binary DICOM Segmentation of ``label`` over the series it was predicted on.
+
+    ``corrected``: the model's mask edited by a person in the viewer; its segments are then
+    SEMIAUTOMATIC (algorithm plus manual correction) rather than AUTOMATIC.
 
     ``sources`` are the series' slice headers in the order of the volume's k axis (the order
     ``medseg.datasets.dicom.read_dicom_series`` stacks them in), so frame k is
@@ -147,7 +154,11 @@ def mask_dicom_seg_bytes(
                 segment_label=labels[k][:64],
                 segmented_property_category=category,
                 segmented_property_type=kind,
-                algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
+                algorithm_type=(
+                    hd.seg.SegmentAlgorithmTypeValues.SEMIAUTOMATIC
+                    if corrected
+                    else hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC
+                ),
                 algorithm_identification=algorithm,
             )
         )
@@ -167,7 +178,7 @@ def mask_dicom_seg_bytes(
         manufacturer_model_name="medseg viewer",
         software_versions=__version__,
         device_serial_number="none",
-        series_description=f"medseg {model}"[:64],
+        series_description=f"medseg {model}{' corrected' if corrected else ''}"[:64],
     )
     buf = io.BytesIO()
     seg.save_as(buf)
@@ -175,8 +186,12 @@ def mask_dicom_seg_bytes(
 
 
 def dicom_seg_export(
-    label: MetaTensor, sources: Sequence[Dataset], labels: dict[int, str], model: str
+    label: MetaTensor,
+    sources: Sequence[Dataset],
+    labels: dict[int, str],
+    model: str,
+    corrected: bool = False,
 ) -> SegExport:
     """:func:`mask_dicom_seg_bytes` over the series with missing UIDs filled in (see :func:`fill_missing_uids`)."""
     filled, generated = fill_missing_uids(sources)
-    return SegExport(mask_dicom_seg_bytes(label, filled, labels, model), generated)
+    return SegExport(mask_dicom_seg_bytes(label, filled, labels, model, corrected), generated)

@@ -75,8 +75,18 @@ def viewport(
     opacity: float,
     height: int = 600,
     key: str = "viewport",
+    editable: bool = False,
+    second: bytes | None = None,
+    second_id: str = "none",
+    second_name: str = "",
 ) -> dict[str, Any] | None:
     """Draw the viewport; returns what the browser reported ({"webgl": bool, ...}), None before it has.
+
+    ``editable`` shows the brush, eraser and undo on the label map; once the user has drawn, the
+    report carries ``"edits": {"base": labels_id, "seq": n, "changed": voxels, "runs": [[start,
+    length, value], ...]}`` over the label map's stored i-fastest voxel order
+    (:func:`medseg.apps.review.apply_edits`). ``second`` is another label map on the same grid
+    (an uploaded mask or a second model's), drawn beside the first in one colour.
 
     ``affine`` is the scan's (the one in its NIfTI bytes): the readout gives the file's own voxel
     indices, ``round(inv(affine) @ mm)``, not NiiVue's RAS-reordered ones.
@@ -94,6 +104,10 @@ def viewport(
         width=float(width),
         opacity=float(opacity),
         height=int(height),
+        editable=bool(editable),
+        second=second,
+        second_id=second_id,
+        second_name=second_name,
         key=key,
         default=None,
     )

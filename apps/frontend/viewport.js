@@ -11,6 +11,9 @@
     nv: null, ready: false, volumeId: null, labelsId: null, windowKey: null,
     labels: [], opacity: 0.5, outline: false, plane: 0, location: null,
     loadedAt: null, renderedAt: null, error: null,
+    // editing: the brush and eraser paint NiiVue's drawing layer, loaded from the model's label map
+    tool: null, editing: false, labelOrig: null, luts: null, editSeq: 0, edits: null,
+    secondId: null, secondName: "",
   };
   window.medsegViewport = state; // read by the browser tests and the benchmark
 
@@ -18,6 +21,8 @@
     window.parent.postMessage(Object.assign({ isStreamlitMessage: true, type: type }, data || {}), "*");
   }
   function setValue(value) { send("streamlit:setComponentValue", { value: value, dataType: "json" }); }
+  // what Python reads: WebGL works, and the edits made since the model's label map was loaded
+  function report() { setValue(state.edits ? { webgl: true, edits: state.edits } : { webgl: true }); }
   function fitHeight() { send("streamlit:setFrameHeight", { height: document.body.scrollHeight + 4 }); }
 
   function arrayBuffer(bytes) {
@@ -51,37 +56,133 @@
     const vox = data.storedVox || (vals.length ? vals[0].vox : data.vox);
     let text = `RAS ${fmt(mm[0], 1)}, ${fmt(mm[1], 1)}, ${fmt(mm[2], 1)} mm   voxel ${vox.map(Math.round).join(", ")}`;
     if (vals.length) text += `   intensity ${fmt(vals[0].value, 1)}`;
-    if (vals.length > 1) {
-      const v = Math.round(vals[1].value);
-      const lab = state.labels.find((l) => l.value === v);
-      text += `   label ${v === 0 ? "none" : lab ? lab.name : v}`;
-    }
+    const name = (v) => { const lab = state.labels.find((l) => l.value === v); return v === 0 ? "none" : lab ? lab.name : v; };
+    if (vals.length > 1) text += `   label ${name(Math.round(vals[1].value))}`;
     document.getElementById("readout").textContent = text;
     if (typeof data.axCorSag === "number" && data.axCorSag >= 0 && data.axCorSag <= 2) state.plane = data.axCorSag;
   }
 
-  function labelLut() {
+  function labelLut(colour) {
     const max = Math.max(1, ...state.labels.map((l) => l.value));
     const lut = { R: [], G: [], B: [], A: [], I: [], labels: [] };
     for (let i = 0; i <= max; i++) {
       const l = state.labels.find((x) => x.value === i);
       lut.I.push(i);
-      lut.R.push(l ? l.colour[0] : 0);
-      lut.G.push(l ? l.colour[1] : 0);
-      lut.B.push(l ? l.colour[2] : 0);
-      lut.A.push(l && i > 0 && l.shown ? Math.round(255 * l.opacity) : 0);
+      const c = l ? colour || l.colour : [0, 0, 0];
+      lut.R.push(c[0]);
+      lut.G.push(c[1]);
+      lut.B.push(c[2]);
+      lut.A.push(l && i > 0 && l.shown ? (colour ? 255 : Math.round(255 * l.opacity)) : 0); // edges: opaque
       lut.labels.push(l ? l.name : i === 0 ? "" : String(i));
     }
     return lut;
   }
 
+  const SECOND_COLOUR = [0, 230, 255]; // the second mask: its edges (made in Python) in cyan over the model's colours
+
   function applyLabels() {
     const nv = state.nv;
     if (!nv || nv.volumes.length < 2) return;
     nv.volumes[1].setColormapLabel(labelLut());
-    nv.volumes[1].opacity = 1.0;
+    // while a tool is on, the drawing layer shows the labels being edited and the overlay steps aside
+    nv.volumes[1].opacity = state.tool ? 0.0 : 1.0;
+    if (nv.volumes.length > 2) {
+      nv.volumes[2].setColormapLabel(labelLut(SECOND_COLOUR));
+      nv.volumes[2].opacity = state.secondShown === false ? 0.0 : 1.0;
+    }
+    if (state.editing) {
+      nv.setDrawColormap(labelLut());
+      nv.setDrawOpacity(state.tool ? 1.0 : 0.0);
+    }
     nv.overlayOutlineWidth = state.outline ? 1 : 0;
     nv.updateGLVolume();
+  }
+
+  // NiiVue's own mapping (function iD in niivue.umd.js 0.69.0, used by loadDrawing): stored voxel
+  // (a, s, t) of an image is element xlut[a] + ylut[s] + zlut[t] of its RAS-ordered drawing bitmap.
+  function rasLuts(permRAS, dims) {
+    const g = [0, 0, 0];
+    for (let s = 0; s < 3; s++) for (let a = 0; a < 3; a++) if (Math.abs(permRAS[s]) - 1 === a) g[a] = s * Math.sign(permRAS[s]);
+    let stride = 1;
+    const step = [1, 1, 1], flip = [false, false, false];
+    for (let s = 0; s < 3; s++) {
+      for (let a = 0; a < 3; a++) {
+        if (Math.abs(g[a]) === s) {
+          step[a] = stride;
+          if (g[a] < 0 || Object.is(g[a], -0)) flip[a] = true;
+          stride *= dims[a + 1];
+        }
+      }
+    }
+    const lut = (n, k, f) => Array.from({ length: n }, (_, c) => (f ? n - 1 - c : c) * k);
+    return [lut(dims[1], step[0], flip[0]), lut(dims[2], step[1], flip[1]), lut(dims[3], step[2], flip[2])];
+  }
+
+  // the model's label map becomes NiiVue's drawing layer (once per label map)
+  function startEditing() {
+    const nv = state.nv, lab = nv.volumes[1];
+    state.luts = rasLuts(lab.permRAS, lab.hdr.dims);
+    nv.loadDrawing(lab);
+    state.editing = true;
+  }
+
+  // After each stroke or undo: copy the drawing into the overlay (stored order, so the readout and
+  // the outline mode show the edit) and tell Python which voxels differ from the model's label map,
+  // as runs [start, length, value] over the stored i-fastest order.
+  function syncEdits() {
+    const nv = state.nv, lab = nv.volumes[1], bmp = nv.drawBitmap;
+    if (!state.editing || !lab || !bmp) return;
+    const [xl, yl, zl] = state.luts, d = lab.hdr.dims, img = lab.img, orig = state.labelOrig;
+    const runs = [];
+    let o = 0, changed = 0, run = null;
+    for (let t = 0; t < d[3]; t++) {
+      for (let s = 0; s < d[2]; s++) {
+        const base = yl[s] + zl[t];
+        for (let a = 0; a < d[1]; a++, o++) {
+          const v = bmp[xl[a] + base];
+          img[o] = v;
+          if (v !== orig[o]) {
+            changed++;
+            if (run && run[0] + run[1] === o && run[2] === v) run[1]++;
+            else { run = [o, 1, v]; runs.push(run); }
+          }
+        }
+      }
+    }
+    state.editSeq++;
+    state.edits = { base: state.labelsId, seq: state.editSeq, changed: changed, runs: runs };
+    document.getElementById("editcount").textContent = changed ? `${changed} voxels changed` : "no changes";
+    applyLabels();
+    report();
+  }
+
+  function penChoices() {
+    const sel = document.getElementById("penlabel");
+    sel.innerHTML = "";
+    for (const l of state.labels.filter((x) => x.value > 0)) {
+      const o = document.createElement("option");
+      o.value = String(l.value);
+      o.textContent = l.name;
+      sel.appendChild(o);
+    }
+  }
+
+  function setTool(tool) {
+    const nv = state.nv;
+    if (!nv || nv.volumes.length < 2) return;
+    state.tool = state.tool === tool ? null : tool;
+    if (state.tool && !state.editing) startEditing();
+    nv.opts.penSize = parseInt(document.getElementById("pensize").value, 10);
+    nv.setDrawingEnabled(!!state.tool);
+    if (state.tool) nv.setPenValue(state.tool === "eraser" ? 0 : parseInt(document.getElementById("penlabel").value, 10), false);
+    document.getElementById("brush").classList.toggle("on", state.tool === "brush");
+    document.getElementById("eraser").classList.toggle("on", state.tool === "eraser");
+    applyLabels();
+  }
+
+  function undo() {
+    if (!state.editing) return;
+    state.nv.drawUndo();
   }
 
   function hex(c) { return "#" + c.map((v) => v.toString(16).padStart(2, "0")).join(""); }
@@ -104,6 +205,16 @@
       });
       opacity.addEventListener("input", () => { l.opacity = parseFloat(opacity.value); applyLabels(); });
       row.dataset.label = l.name;
+      box.appendChild(row);
+    }
+    if (state.nv && state.nv.volumes.length > 2) {
+      const row = document.createElement("label");
+      row.innerHTML = `<input type="checkbox" ${state.secondShown === false ? "" : "checked"} title="show or hide">` +
+        `<span style="color:${hex(SECOND_COLOUR)}">&#9632;</span><span></span>`;
+      row.querySelectorAll("span")[1].textContent = state.secondName || "second mask";
+      const shown = row.querySelector("input");
+      shown.addEventListener("change", () => { state.secondShown = shown.checked; applyLabels(); });
+      row.dataset.label = "second";
       box.appendChild(row);
     }
   }
@@ -145,6 +256,11 @@
       outline.classList.toggle("on", state.outline);
       applyLabels();
     });
+    document.getElementById("brush").addEventListener("click", () => setTool("brush"));
+    document.getElementById("eraser").addEventListener("click", () => setTool("eraser"));
+    document.getElementById("undo").addEventListener("click", undo);
+    document.getElementById("penlabel").addEventListener("change", () => { if (state.tool === "brush") state.nv.setPenValue(parseInt(document.getElementById("penlabel").value, 10), false); });
+    document.getElementById("pensize").addEventListener("change", () => { state.nv.opts.penSize = parseInt(document.getElementById("pensize").value, 10); });
     const keys = { m: "multi", a: "axial", c: "coronal", s: "sagittal", r: "render" };
     document.getElementById("gl").addEventListener("keydown", (e) => {
       if (keys[e.key]) setLayout(keys[e.key]);
@@ -154,6 +270,9 @@
       else if (e.key === "-") zoom(0.8);
       else if (e.key === "0") document.getElementById("reset").click();
       else if (e.key === "o") outline.click();
+      else if (e.key === "b" && state.editable) setTool("brush");
+      else if (e.key === "e" && state.editable) setTool("eraser");
+      else if (e.key === "z" && state.editable) undo();
       else return;
       e.preventDefault();
       e.stopPropagation();
@@ -178,6 +297,19 @@
     });
     await nv.attachToCanvas(canvas);
     nv.onLocationChange = showLocation;
+    nv.onDrawingChanged = (action) => { if (action === "draw" || action === "undo") syncEdits(); };
+    // NiiVue 0.69.0 draws each pen segment from the new point towards the previous one, leaving the
+    // new point itself for the next segment (drawPenLine): the last voxel of a stroke is never
+    // painted. Paint it when the stroke ends, before NiiVue keeps the stroke for undo.
+    const addUndo = nv.drawAddUndoBitmap.bind(nv);
+    nv.drawAddUndoBitmap = (...rest) => {
+      const p = nv.drawPenLocation;
+      if (nv.opts.drawingEnabled && nv.drawBitmap && p && isFinite(p[0]) && nv.drawPenAxCorSag >= 0) {
+        nv.drawPt(p[0], p[1], p[2], nv.opts.penValue);
+        nv.refreshDrawing(false, false);
+      }
+      return addUndo(...rest);
+    };
     nv.setSliceType(SLICE.multi);
     state.nv = nv;
     state.ready = true;
@@ -201,7 +333,7 @@
       try {
         await init();
         wireControls(args);
-        setValue({ webgl: true });
+        report();
       } catch (err) {
         noWebGL(err);
         return;
@@ -219,17 +351,40 @@
       state.labelsId = null;
       state.windowKey = null;
     }
-    if (args.labels_id !== state.labelsId) {
+    const secondId = args.second_id || "none";
+    if (args.labels_id !== state.labelsId || secondId !== state.secondId) {
+      if (state.tool) setTool(state.tool); // the tool goes off while the overlays are replaced
+      if (state.editing) nv.closeDrawing();
       while (nv.volumes.length > 1) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
+      if (args.labels_id !== state.labelsId) {
+        state.editing = false;
+        state.edits = null;
+        document.getElementById("editcount").textContent = "";
+      }
       state.labels = (args.label_info || []).map((l) => Object.assign({ shown: true, opacity: args.opacity }, l));
+      state.secondName = args.second_name || "";
       if (args.labels) {
         const lab = await niivue.NVImage.loadFromUrl({ url: "labels.nii", name: "labels.nii", buffer: arrayBuffer(args.labels) });
         nv.addVolume(lab);
+        if (args.labels_id !== state.labelsId) state.labelOrig = Uint8Array.from(lab.img); // the model's, unedited
+        if (args.second) {
+          const sec = await niivue.NVImage.loadFromUrl({ url: "second.nii", name: "second.nii", buffer: arrayBuffer(args.second) });
+          nv.addVolume(sec);
+        }
+        if (state.edits) { // the second mask changed, the model's did not: keep the edits
+          const runs = state.edits.runs;
+          for (const [start, n, v] of runs) lab.img.fill(v, start, start + n);
+          state.editing = false; // the next tool reloads the drawing from the edited labels
+        }
         applyLabels();
       }
       labelControls();
+      penChoices();
       state.labelsId = args.labels_id;
+      state.secondId = secondId;
     }
+    state.editable = !!(args.editable && args.labels);
+    document.getElementById("edit").style.display = state.editable ? "inline" : "none";
     const windowKey = `${args.level}/${args.width}`;
     if (windowKey !== state.windowKey) { // a new display preset from the page; drags change it in between
       setWindow(args.level, args.width);
