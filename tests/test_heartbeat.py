@@ -27,6 +27,19 @@ RANK = textwrap.dedent(
 )
 
 
+def _processes_with(needle: str) -> list[int]:
+    """Pids whose command line contains ``needle`` (arguments joined by NUL), read from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:  # ended while we looked
+                pass
+    return found
+
+
 def _silence(server: BeatServer) -> float:
     return time.time() - server.snapshot()[3].last_seen
 
@@ -48,9 +61,7 @@ def test_a_rank_holding_the_gil_beats_and_a_stopped_one_does_not(tmp_path: Path)
         stdout=subprocess.PIPE,
         text=True,
     )
-    sidecars = lambda: subprocess.run(  # noqa: E731
-        ["pgrep", "-f", f"beat_sidecar.py 127.0.0.1 {server.port} "], capture_output=True, text=True
-    ).stdout.split()
+    sidecars = lambda: _processes_with(f"beat_sidecar.py\x00127.0.0.1\x00{server.port}\x00")  # noqa: E731
     try:
         assert rank.stdout is not None and rank.stdout.readline().strip() == "holding"
         # the rank's own threads cannot run now; the helper's beats go on
