@@ -215,7 +215,8 @@ def _plan(args: argparse.Namespace) -> None:
     cfg = p.config
     print(
         f"plan: {cfg['model']['name']}, spacing {cfg['transforms']['spacing']} mm, patch {cfg['transforms']['patch']}, "
-        f"batch {cfg['train']['batch_size']}, {cfg['train']['epochs']} epochs, "
+        f"batch {cfg['train']['batch_size']} case(s) x {cfg['transforms']['num_samples']} patches, "
+        f"{cfg['train']['epochs']} epochs, "
         f"normalisation {cfg['transforms']['normalize']['scheme']}"
     )
     if args.json:

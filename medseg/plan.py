@@ -30,6 +30,8 @@ The choices, each written into the YAML as a comment naming the fact it came fro
    than a quarter of a median image (nnU-Net's low-resolution rule), the spacing is coarsened by 5%
    steps (finest axes first, up to the coarsest) and the search is repeated. The batch is 2, raised
    while the memory and the time allow and while one batch holds at most 5% of the dataset's voxels.
+   The batch counts patches per step: the config holds it as ``train.batch_size`` cases times
+   ``transforms.num_samples`` patches drawn from each, and ``--verify`` measures that many.
 5. **Classification**: the image's object (:class:`medseg.transforms.ObjectMask`) is cropped and
    resized whole into a cubic patch whose side holds the largest object bounding box of the dataset
    at the target spacing (``transforms.roi: object``), instead of the volume's centre.
@@ -62,13 +64,14 @@ GB = 2**30
 SAFETY = 0.9  # predicted total must stay within this share of the memory budget
 TRAIN_SHARE = 0.8  # share of the time budget for training steps (the rest: loading, validation)
 MIN_COVER = 0.25  # nnU-Net: the patch should see at least a quarter of a median image
-DEFAULT_STEPS = {"cpu": 1000, "cuda": 25000}  # cpu: about the demo's 1040 steps (80 epochs x 13)
-NUM_SAMPLES = 4  # patches drawn per cached volume per epoch (as the demo)
+DEFAULT_STEPS = {"cpu": 1000, "cuda": 25000}  # training steps of the planned batch (patches per step)
+NUM_SAMPLES = 4  # at most this many patches drawn per cached volume per step (as the demo)
 # The demo's segmentation training (configs/demo-seg.yaml; tests/test_plan.py checks they agree): on
-# --device cpu without --time-s, a plan may cost at most what DEMO_STEPS steps of this network cost,
-# both measured in the same run (process CPU seconds, so the load of a shared machine cancels).
+# --device cpu without --time-s, a plan may cost at most what the demo's DEMO_STEPS steps of
+# DEMO_BATCH cases x DEMO_SAMPLES patches cost (80 epochs of ceil(13 / 4) steps on its 13 training
+# cases), both measured in the same run (process CPU seconds, so the load of a shared machine cancels).
 DEMO_MODEL = {"name": "unet", "channels": [16, 32, 64], "strides": [2, 2], "num_res_units": 1}
-DEMO_PATCH, DEMO_BATCH, DEMO_STEPS = [32, 32, 16], 4, 1040
+DEMO_PATCH, DEMO_BATCH, DEMO_SAMPLES, DEMO_STEPS = [32, 32, 16], 4, 4, 320
 
 
 @dataclass
@@ -345,7 +348,7 @@ def demo_anchor(base: dict[str, Any], classes: int, device: str) -> dict[str, An
     """The demo network's training step, measured now (the CPU time budget's unit)."""
     nd = _net_def(_cfg(base, DEMO_PATCH, dict(DEMO_MODEL)), classes)
     log.info("plan: measuring the demo's step (anchor of the time budget)")
-    return run_measure(nd, DEMO_PATCH, DEMO_BATCH, "baseline", device, classes, steps=3)
+    return run_measure(nd, DEMO_PATCH, DEMO_BATCH * DEMO_SAMPLES, "baseline", device, classes, steps=3)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -488,13 +491,18 @@ def plan(
         batch = nb
     vox = batch * math.prod(patch)
     model, model_why = model_section(net, device, patch, spacing)
-    spe = max(1, math.ceil(n_train * NUM_SAMPLES / batch))
+    # A training step holds batch_size cases x num_samples patches drawn from each (medseg.data), so
+    # the planned batch of patches is split into the most patches per case (<= NUM_SAMPLES) that
+    # divides it: 2 -> 1 case x 2 patches, 8 -> 2 cases x 4.
+    samples = max(d for d in range(1, NUM_SAMPLES + 1) if batch % d == 0)
+    cases = batch // samples
+    spe = max(1, math.ceil(n_train / cases))
     epochs = max(1, math.ceil(steps / spe))
     cfg = json.loads(json.dumps(base))
-    cfg["transforms"].update({"patch": patch, "num_samples": NUM_SAMPLES})
+    cfg["transforms"].update({"patch": patch, "num_samples": samples})
     cfg["model"] = model
     cfg["train"].update(
-        {"epochs": epochs, "batch_size": batch, "lr": 0.003 if device == "cpu" else 0.001, "seed": 0}
+        {"epochs": epochs, "batch_size": cases, "lr": 0.003 if device == "cpu" else 0.001, "seed": 0}
     )
     cfg["train"]["val_interval"] = max(1, epochs // 10)
     if fused:
@@ -508,16 +516,17 @@ def plan(
     )
     comments["model"] = model_why + f"; {params / 1e6:.2f} M parameters"
     comments["train.batch_size"] = (
-        "2, raised while memory and time allow and a batch is at most 5% of the dataset's voxels"
+        f"{cases} case(s) x {samples} patches (transforms.num_samples) = {batch} patches per step: 2, raised "
+        "while memory and time allow and a batch is at most 5% of the dataset's voxels"
     )
     comments["train.epochs"] = (
-        f"{steps} steps of {spe} per epoch ({n_train} training cases x {NUM_SAMPLES} patches / batch {batch})"
+        f"{steps} steps of {spe} per epoch ({n_train} training cases, {cases} per step)"
     )
     comments["memory model"] = _memory_text(mm, params, vox, pred_step, pred_total, budget)
     if anchor is not None:
         comments["time"] = (
             f"compute budget: the demo's {DEMO_STEPS} steps of its UNet {DEMO_MODEL['channels']} at "
-            f"{DEMO_PATCH} x{DEMO_BATCH}, measured now at {anchor['step_cpu_s']:.3f} CPU s/step "
+            f"{DEMO_PATCH} x{DEMO_BATCH * DEMO_SAMPLES} patches, measured now at {anchor['step_cpu_s']:.3f} CPU s/step "
             f"({anchor['step_s']:.3f} s wall); this plan's fit t = {mm.t0:.3f} + {mm.k * 1e6:.4f}e-6 x batch "
             f"voxels CPU s: {mm.step_s(vox):.3f} CPU s/step x {steps} steps = "
             f"{mm.step_s(vox) * steps / (anchor['step_cpu_s'] * DEMO_STEPS):.0%} of the demo's"
@@ -701,15 +710,14 @@ def verify(p: Plan) -> dict[str, Any]:
     cfg = config_from_dict(p.config)
     classes = len(p.fingerprint["labels"])
     nd = _net_def(cfg, classes)
-    r = run_measure(
-        nd, list(cfg.transforms.patch), cfg.train.batch_size, p.memory.variant, p.device, classes, 1
-    )
+    batch = cfg.train.batch_size * max(cfg.transforms.num_samples, 1)  # patches per training step
+    r = run_measure(nd, list(cfg.transforms.patch), batch, p.memory.variant, p.device, classes, 1)
     measured_total = r["peak_bytes"] + r["static_bytes"]
     result = {
         "net": cfg.model.name,
         "variant": p.memory.variant,
         "patch": list(cfg.transforms.patch),
-        "batch": cfg.train.batch_size,
+        "batch": batch,
         "predicted_step_peak_bytes": p.predicted_step_peak,
         "measured_step_peak_bytes": r["peak_bytes"],
         "predicted_total_bytes": p.predicted_total,

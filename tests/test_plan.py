@@ -154,6 +154,9 @@ def test_demo_anchor_is_the_demo_config() -> None:
 
     demo = load_config(ROOT / "configs" / "demo-seg.yaml")
     assert demo.transforms.patch == plan.DEMO_PATCH and demo.train.batch_size == plan.DEMO_BATCH
+    assert demo.transforms.num_samples == plan.DEMO_SAMPLES
+    # 13 training cases: `medseg data synth-seg --cases 16` at val_fraction 0.2 (make demo)
+    assert demo.train.epochs * math.ceil(13 / demo.train.batch_size) == plan.DEMO_STEPS
     m = plan.DEMO_MODEL
     assert (demo.model.name, demo.model.channels, demo.model.strides, demo.model.num_res_units) == (
         m["name"],
@@ -189,12 +192,17 @@ def test_plan_writes_a_trainable_config_and_verify_holds(seg_data: Path, tmp_pat
     )
     budget = budget_gb * 2**30
     assert p.predicted_total <= planner.SAFETY * budget
+    # the prediction is for the batch training really draws: batch_size cases x num_samples patches
+    step_patches = cfg.train.batch_size * cfg.transforms.num_samples
+    assert p.memory.total(p.params, step_patches * math.prod(cfg.transforms.patch)) == pytest.approx(
+        p.predicted_total
+    )
     # one divisor step more on any axis would not fit
     mm, div = p.memory, planner._divisor("unet", "cpu")
     for a in range(3):
         bigger = list(cfg.transforms.patch)
         bigger[a] += div
-        assert mm.total(p.params, cfg.train.batch_size * math.prod(bigger)) > planner.SAFETY * budget or (
+        assert mm.total(p.params, cfg.train.batch_size * cfg.transforms.num_samples * math.prod(bigger)) > planner.SAFETY * budget or (
             bigger[a] > math.ceil(p.fingerprint["median_shape"][a] / div) * div
         )
     v = planner.verify(p)
