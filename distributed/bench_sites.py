@@ -200,6 +200,7 @@ def _run_one(
         os.environ.clear()
         os.environ.update(saved)
     job_s = time.time() - t0
+    time.sleep(1.0)  # the relay writes its own counters (``tcp``) every 0.5 s
     after = tb.wan_counters()
     records = read_metrics(cfg.run_dir / "metrics.jsonl")
     ranks = _rank_records(cfg.run_dir)
@@ -209,6 +210,9 @@ def _run_one(
     reached_job = [r["time"] - t0 for r in records if (r.get("val_dice") or 0) >= target]
     wan_bytes = after["bytes"] - before["bytes"]
     wan_packets = after["packets"] - before["packets"]
+    tcp = {k: v - before.get("tcp", {}).get(k, 0) for k, v in after.get("tcp", {}).items()}
+    # TCP payload: exact from the relay's look inside the packets, else 52 header bytes per packet
+    payload = tcp["payload"] if tcp else wan_bytes - HEADER_BYTES * wan_packets
     idle, busy, n_idle, n_busy = insite_step_times(ranks)
     breakdown = [
         {
@@ -226,9 +230,12 @@ def _run_one(
         "samples_per_s": samples / job_s,
         "job_s": job_s,
         "wan_bytes_measured": wan_bytes,
-        "wan_payload_measured": wan_bytes - HEADER_BYTES * wan_packets,
+        "wan_payload_measured": payload,
         "wan_packets": wan_packets,
-        "wan_payload_per_epoch": (wan_bytes - HEADER_BYTES * wan_packets) / len(records),
+        "wan_payload_per_epoch": payload / len(records),
+        # of the payload, bytes TCP sent again (a burst dropped by the tbf queue); None without a relay
+        "wan_retrans_measured": tcp.get("retrans_payload") if tcp else None,
+        "wan_tcp": tcp or None,
         # the algorithm's own byte model (set-up transfers included)
         "wan_bytes_reported": sum(r.get("dist_wan_bytes", 0) for r in records),
         "max_lead_rounds": max_lead_rounds(ranks),
@@ -329,6 +336,7 @@ def _aggregate(runs: list[dict]) -> dict[str, Any]:
         "wan_bytes_measured",
         "wan_payload_measured",
         "wan_payload_per_epoch",
+        "wan_retrans_measured",
         "wan_bytes_reported",
         "insite_step_s_idle",
         "insite_step_s_with_round_in_flight",

@@ -1128,8 +1128,9 @@ class Testbed:
         router namespace, which carry inter-site packets only (launcher traffic never enters them):
         ``bytes``/``packets`` are IP packets (headers included, no Ethernet header) the sites sent
         into the WAN, ``delivered_*`` those that came out (after loss). ``links`` gives per site
-        the bytes and packets it sent and received over the WAN, from the relay's own counters
-        (updated every 0.5 s). Without a relay (``--wan none`` or rate only): the router's veth
+        the bytes and packets it sent and received over the WAN, and ``tcp`` what the relay saw
+        inside them (exact header and payload bytes, retransmitted payload: ``relay.Counters``), from
+        the relay's own counters (updated every 0.5 s). Without a relay (``--wan none`` or rate only): the router's veth
         counters, sites' received minus what went to the launcher, Ethernet headers removed
         (ARP and the like make this approximate); ``source`` says which.
         """
@@ -1149,9 +1150,12 @@ class Testbed:
             }
             by_index = {s.index: s.name for s in self.sites}
             try:
-                pairs = json.loads((STATE_DIR / "relay-stats.json").read_text())["pairs"]
+                relay_stats = json.loads((STATE_DIR / "relay-stats.json").read_text())
+                pairs = relay_stats["pairs"]
             except (OSError, ValueError, KeyError):
-                pairs = {}
+                relay_stats, pairs = {}, {}
+            if "tcp" in relay_stats:  # what the relay saw inside the packets (headers, retransmissions)
+                out["tcp"] = relay_stats["tcp"]
             for key, v in pairs.items():
                 src, dst = (int(x) for x in key.split(">"))
                 if src in by_index:
