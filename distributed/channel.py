@@ -20,6 +20,8 @@ in flight on the leaders' group never delays an allreduce on a site's group. Wha
 collective                                  channel             why
 ==========================================  ==================  ===================================
 bsp gradient allreduce (fp32/fp16/fixed)    Horovod             the plain-Horovod baseline itself
+bsp fixed-bit allreduce between sites       site, then columns  exact in the site, codes across it
+                                            (torch)             once per site and shard
 gssp/ssp in-group gradient average          site group (torch)  must not pay the WAN per step
 gssp/ssp cross-group round (async)          leaders (torch)     must not block in-site training
 in-group broadcast of a received round      site group (torch)  one WAN transfer per site, not |g|

@@ -1,10 +1,11 @@
 """Multi-rank checks of HierarchicalCompressedAllreduce; run by tests/test_collectives.py as
 
-    PATH=.venv/bin:$PATH horovodrun -np N -H localhost:N --gloo python tests/mp/hier_allreduce.py SITES
+    PATH=.venv/bin:$PATH horovodrun -np N -H localhost:N --gloo python tests/mp/hier_allreduce.py SITES D
 
 ``SITES`` names the ranks of each emulated site, e.g. ``0,1/2,3`` (2 sites x 2 ranks) or ``0,1/2``
-(unequal sites). All ranks run on one machine; the sites are groups of ranks, and "WAN" bytes are
-the bytes a rank sends to ranks of other sites.
+(unequal sites), and ``D`` the WAN reduction the run must reach (check 4). All ranks run on one
+machine; the sites are groups of ranks, and "WAN" bytes are the bytes a rank sends to ranks of
+other sites.
 
 Every rank builds the inputs of every rank (seeded by rank and step), so each rank knows the exact
 average over all ranks by itself. Checks, over several calls at 4 bits with the default clip:
@@ -17,8 +18,9 @@ average over all ranks by itself. Checks, over several calls at 4 bits with the 
    feedback leave (their errors add up; feedback keeps one residual per stage);
 4. bytes: this rank's LAN and WAN bytes equal the formula worked out here from the shapes alone;
    on the benchmark's UNet (137k parameters, 1375 of them in tensors under 1024 elements) the WAN
-   bytes of all ranks together are at most 1/11 of what float32 ring allreduce over all ranks sends
-   across sites (a ring whose sites are contiguous crosses on S edges).
+   bytes of all ranks together are at most 1/D of what float32 ring allreduce over all ranks sends
+   across sites (a ring whose sites are contiguous crosses on S edges): about 1 byte per element
+   against 12 at 2 x 2 ranks (D = 11), against 10.7 at 2 + 1 ranks (D = 9).
 Rank 0 prints one PASS or FAIL line per check; the exit status is 1 when any check failed.
 """
 
@@ -110,6 +112,7 @@ def expected(sites: list[list[int]], rank: int) -> tuple[float, float]:
 
 def main() -> int:
     sites = [[int(r) for r in part.split(",")] for part in sys.argv[1].split("/")]
+    reduction = float(sys.argv[2])
     hvd.init()
     torch.set_num_threads(1)
     channel = Channel(hvd, 60)
@@ -188,8 +191,8 @@ def main() -> int:
     fp32_wan = n_sites * ring(numel, n)  # contiguous sites: S edges of the ring cross
     check(
         channel,
-        "UNet: WAN bytes <= 1/11 of float32 ring allreduce",
-        total_wan <= fp32_wan / 11,
+        f"UNet: WAN bytes <= 1/{reduction:g} of float32 ring allreduce",
+        total_wan <= fp32_wan / reduction,
         f"{total_wan:.0f} B over all ranks, fp32 ring {fp32_wan:.0f} B across sites ({total_wan / fp32_wan:.4f}x)",
     )
     channel.close()
