@@ -200,7 +200,6 @@ def _run_one(
         os.environ.clear()
         os.environ.update(saved)
     job_s = time.time() - t0
-    time.sleep(1.0)  # the relay writes its own counters (``tcp``) every 0.5 s
     after = tb.wan_counters()
     records = read_metrics(cfg.run_dir / "metrics.jsonl")
     ranks = _rank_records(cfg.run_dir)

@@ -1133,7 +1133,19 @@ class Testbed:
         the relay's own counters (updated every 0.5 s). Without a relay (``--wan none`` or rate only): the router's veth
         counters, sites' received minus what went to the launcher, Ethernet headers removed
         (ARP and the like make this approximate); ``source`` says which.
+        The relay's counters are waited for (up to 2 s) until it has written them after this call
+        began: a stale file would move the end of an earlier transfer (the probe's) into the next
+        measurement (0.3 MB measured once).
         """
+        if self.wan.needs_relay:
+            called, deadline = time.time(), time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                try:
+                    if json.loads((STATE_DIR / "relay-stats.json").read_text()).get("time", 0) >= called:
+                        break
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.05)
         stats = self._link_stats(ROUTER_NS)
         if self.wan.needs_relay:
             tin, tout = stats[TUN_IN]["stats64"], stats[TUN_OUT]["stats64"]
