@@ -9,8 +9,10 @@ runs (Horovod, a site's ``torch.distributed`` group, or the leaders' group) is t
 
 ``bsp``        plain Horovod: ``hvd.DistributedOptimizer`` averages gradients over all ranks every
                step (optionally Horovod's fp16 compression), or medseg's fixed-bit compressed
-               allreduce over the global process set. Float buffers (BatchNorm statistics) are
-               averaged at each epoch end.
+               allreduce: over the global process set on one host, site-aware (exact in each
+               site, codes across sites once per site and shard, on medseg's channel) when the
+               ranks sit on several hosts. Float buffers (BatchNorm statistics) are averaged at
+               each epoch end; parameters are not (every rank already holds the same ones).
 ``gssp``       group-staleness synchronous parallel (Jiang et al., CCGrid 2019, on SSP, Ho et al.
                2013). Inside a group, gradients are averaged synchronously every step on the
                group's own process group, so every member holds the same w. Across groups, at the
