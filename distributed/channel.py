@@ -20,6 +20,8 @@ in flight on the leaders' group never delays an allreduce on a site's group. Wha
 collective                                  channel             why
 ==========================================  ==================  ===================================
 bsp gradient allreduce (fp32/fp16/fixed)    Horovod             the plain-Horovod baseline itself
+bsp fixed-bit allreduce between sites       site, then columns  exact in the site, codes across it
+                                            (torch)             once per site and shard
 gssp/ssp in-group gradient average          site group (torch)  must not pay the WAN per step
 gssp/ssp cross-group round (async)          leaders (torch)     must not block in-site training
 in-group broadcast of a received round      site group (torch)  one WAN transfer per site, not |g|
@@ -222,6 +224,13 @@ class Channel:
             Group(self.store, "leaders/", leaders, self.rank, self.timeout) if self.is_leader else None
         )
 
+    def make_group(self, tag: str, ranks: list[int]) -> Group:
+        """A new group over ``ranks`` (this rank among them) on the channel's store; ``tag`` must be
+        unique in the job, and every member must make its groups in the same order."""
+        if self.rank not in ranks:
+            raise ValueError(f"channel: rank {self.rank} cannot make group {tag!r} of ranks {ranks}")
+        return Group(self.store, tag, list(ranks), self.rank, self.timeout)
+
     @property
     def is_leader(self) -> bool:
         return self.rank == self.leader
@@ -267,7 +276,10 @@ class Channel:
 
 class TorchTransport:
     """The three collectives :class:`~medseg.distributed.collectives.CompressedAllreduce` needs, on a
-    channel :class:`Group`."""
+    channel :class:`Group`. Its allgather pads every block to the largest (Gloo's allgather takes
+    equal blocks), so a member sends ``(n - 1) * max(block)`` bytes in the ring."""
+
+    pads_allgather = True
 
     def __init__(self, group: Group) -> None:
         self.group = group

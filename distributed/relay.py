@@ -69,7 +69,15 @@ def open_tun(name: str) -> int:
 
 
 class Counters:
-    """Per site-pair bytes and packets, plus totals of what was read, written and dropped."""
+    """Per site-pair bytes and packets, plus totals of what was read, written and dropped.
+
+    ``tcp`` looks inside every IPv4 packet read (what the sites sent into the WAN): ``headers``
+    (IP + TCP header bytes, options included), ``payload`` (TCP payload bytes), ``retrans_payload``
+    / ``retrans_packets`` (payload bytes whose sequence numbers this flow had sent before: TCP
+    retransmissions, e.g. after a tbf queue dropped a burst), ``pure_acks`` (segments without
+    payload) and ``other`` (bytes of non-TCP packets). A segment is a retransmission as far as its
+    sequence range ends at or below the highest end seen on its flow (modulo 2**32).
+    """
 
     def __init__(self) -> None:
         self.pairs: dict[str, list[int]] = {}
@@ -77,6 +85,41 @@ class Counters:
         self.written = [0, 0]
         self.dropped_loss = [0, 0]
         self.dropped_queue = [0, 0]
+        self.tcp = dict.fromkeys(
+            ("headers", "payload", "retrans_payload", "retrans_packets", "pure_acks", "other"), 0
+        )
+        self._seq_end: dict[bytes, int] = {}
+
+    def inspect(self, pkt: bytes) -> None:
+        """Add one packet read from the WAN's input to :attr:`tcp`."""
+        if len(pkt) < 20 or pkt[0] >> 4 != 4 or pkt[9] != 6:
+            self.tcp["other"] += len(pkt)
+            return
+        ihl = (pkt[0] & 0x0F) * 4
+        if len(pkt) < ihl + 20:
+            self.tcp["other"] += len(pkt)
+            return
+        total = min(struct.unpack_from("!H", pkt, 2)[0], len(pkt))
+        thl = (pkt[ihl + 12] >> 4) * 4
+        length = max(total - ihl - thl, 0)
+        self.tcp["headers"] += total - length
+        self.tcp["payload"] += length
+        if not length:
+            self.tcp["pure_acks"] += 1
+            return
+        flow = pkt[12:20] + pkt[ihl : ihl + 4]  # addresses and ports
+        seq = struct.unpack_from("!I", pkt, ihl + 4)[0]
+        end = (seq + length) & 0xFFFFFFFF
+        high = self._seq_end.get(flow)
+        if high is None:
+            self._seq_end[flow] = end
+            return
+        ahead = ((end - high + 2**31) & 0xFFFFFFFF) - 2**31  # signed distance, modulo 2**32
+        if ahead < length:
+            self.tcp["retrans_payload"] += length - max(ahead, 0)
+            self.tcp["retrans_packets"] += 1
+        if ahead > 0:
+            self._seq_end[flow] = end
 
     def pair(self, pkt: bytes) -> None:
         if len(pkt) >= 20 and pkt[0] >> 4 == 4:
@@ -96,6 +139,7 @@ class Counters:
             "dropped_loss": bp(self.dropped_loss),
             "dropped_queue": bp(self.dropped_queue),
             "pairs": {k: bp(v) for k, v in sorted(self.pairs.items())},
+            "tcp": dict(self.tcp),
         }
 
 
@@ -164,6 +208,7 @@ def run(
                         break
                     counters.read[0] += len(pkt)
                     counters.read[1] += 1
+                    counters.inspect(pkt)
                     if loss > 0.0 and rng.random() < loss:
                         counters.dropped_loss[0] += len(pkt)
                         counters.dropped_loss[1] += 1

@@ -400,7 +400,9 @@ class HorovodSession(LocalSession):
         if self.is_chief:  # Gloo's broadcast sends the root's tensor to every other rank
             self.setup_wan_bytes += vector.numel() * 4 * sum(h != self.hosts[0] for h in self.hosts)
         if d.sync == "bsp":
-            self.optimizer = BulkSynchronous(optimizer, model, d.compression, d.bits, self.hosts)
+            self.optimizer = BulkSynchronous(
+                optimizer, model, d.compression, d.bits, self.rank_sites, self.channel
+            )
         elif d.sync == "local-sgd":
             self.optimizer = LocalSGD(optimizer, model, self.channel, d.period, local_norm=d.local_norm)
         else:

@@ -1128,11 +1128,24 @@ class Testbed:
         router namespace, which carry inter-site packets only (launcher traffic never enters them):
         ``bytes``/``packets`` are IP packets (headers included, no Ethernet header) the sites sent
         into the WAN, ``delivered_*`` those that came out (after loss). ``links`` gives per site
-        the bytes and packets it sent and received over the WAN, from the relay's own counters
-        (updated every 0.5 s). Without a relay (``--wan none`` or rate only): the router's veth
+        the bytes and packets it sent and received over the WAN, and ``tcp`` what the relay saw
+        inside them (exact header and payload bytes, retransmitted payload: ``relay.Counters``), from
+        the relay's own counters (updated every 0.5 s). Without a relay (``--wan none`` or rate only): the router's veth
         counters, sites' received minus what went to the launcher, Ethernet headers removed
         (ARP and the like make this approximate); ``source`` says which.
+        The relay's counters are waited for (up to 2 s) until it has written them after this call
+        began: a stale file would move the end of an earlier transfer (the probe's) into the next
+        measurement (0.3 MB measured once).
         """
+        if self.wan.needs_relay:
+            called, deadline = time.time(), time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                try:
+                    if json.loads((STATE_DIR / "relay-stats.json").read_text()).get("time", 0) >= called:
+                        break
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.05)
         stats = self._link_stats(ROUTER_NS)
         if self.wan.needs_relay:
             tin, tout = stats[TUN_IN]["stats64"], stats[TUN_OUT]["stats64"]
@@ -1149,9 +1162,12 @@ class Testbed:
             }
             by_index = {s.index: s.name for s in self.sites}
             try:
-                pairs = json.loads((STATE_DIR / "relay-stats.json").read_text())["pairs"]
+                relay_stats = json.loads((STATE_DIR / "relay-stats.json").read_text())
+                pairs = relay_stats["pairs"]
             except (OSError, ValueError, KeyError):
-                pairs = {}
+                relay_stats, pairs = {}, {}
+            if "tcp" in relay_stats:  # what the relay saw inside the packets (headers, retransmissions)
+                out["tcp"] = relay_stats["tcp"]
             for key, v in pairs.items():
                 src, dst = (int(x) for x in key.split(">"))
                 if src in by_index:

@@ -9,8 +9,10 @@ runs (Horovod, a site's ``torch.distributed`` group, or the leaders' group) is t
 
 ``bsp``        plain Horovod: ``hvd.DistributedOptimizer`` averages gradients over all ranks every
                step (optionally Horovod's fp16 compression), or medseg's fixed-bit compressed
-               allreduce over the global process set. Float buffers (BatchNorm statistics) are
-               averaged at each epoch end.
+               allreduce: over the global process set on one host, site-aware (exact in each
+               site, codes across sites once per site and shard, on medseg's channel) when the
+               ranks sit on several hosts. Float buffers (BatchNorm statistics) are averaged at
+               each epoch end; parameters are not (every rank already holds the same ones).
 ``gssp``       group-staleness synchronous parallel (Jiang et al., CCGrid 2019, on SSP, Ho et al.
                2013). Inside a group, gradients are averaged synchronously every step on the
                group's own process group, so every member holds the same w. Across groups, at the
@@ -91,7 +93,7 @@ import torch
 
 from medseg.distributed import audit
 from medseg.distributed.channel import Channel, HorovodTransport, TorchTransport
-from medseg.distributed.collectives import CompressedAllreduce
+from medseg.distributed.collectives import CompressedAllreduce, HierarchicalCompressedAllreduce
 from medseg.distributed.compression import ErrorFeedback, decode, encoded_nbytes
 
 ring_allreduce_bytes = CompressedAllreduce.ring_allreduce_bytes
@@ -232,6 +234,13 @@ class BulkSynchronous(SyncedOptimizer):
 
     Bytes: Gloo's ring allreduce sends 2(N−1)/N of the payload from each rank to its successor
     (rank r + 1 mod N), so this rank's bytes cross the WAN when its successor is on another host.
+
+    With ``compression: fixed`` and ranks on two or more hosts (sites), the gradients go through
+    :class:`~medseg.distributed.collectives.HierarchicalCompressedAllreduce` on medseg's channel:
+    exact in each site, 4-bit codes only between one rank per site and shard, so about one byte per
+    gradient element crosses the WAN in all (2 sites x 2 ranks) instead of 1.75 with the flat
+    compressed allreduce over every rank and 12 with float32 ring allreduce. On one host the flat
+    :class:`~medseg.distributed.collectives.CompressedAllreduce` over Horovod's global set runs as before.
     """
 
     def __init__(
@@ -241,6 +250,7 @@ class BulkSynchronous(SyncedOptimizer):
         compression: str,
         bits: int,
         hosts: list[str],
+        channel: Channel | None = None,
     ) -> None:
         import horovod.torch as hvd
 
@@ -252,7 +262,23 @@ class BulkSynchronous(SyncedOptimizer):
         self.alltoall_wan_share = sum(hosts[r] != hosts[hvd.rank()] for r in others) / max(len(others), 1)
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.fixed = None
-        if compression == "fixed" and self.size > 1:
+        self.hier = None
+        sites: dict[str, list[int]] = {}
+        for r, h in enumerate(hosts):
+            sites.setdefault(h, []).append(r)
+        if compression == "fixed" and self.size > 1 and len(sites) > 1 and channel is not None:
+            # Same threshold as the flat scheme: 3D convolution weights in codes, biases and norms exact.
+            self.hier = HierarchicalCompressedAllreduce(
+                bits, list(sites.values()), hvd.rank(), channel.make_group, min_numel=1024, name="grad.bsp"
+            )
+            if hvd.rank() == 0:
+                log.info(
+                    "bsp fixed-%d: site-aware compressed allreduce, sites %s, %d shards",
+                    bits,
+                    list(sites.values()),
+                    self.hier.n_shards,
+                )
+        elif compression == "fixed" and self.size > 1:
             # Weights of 3D convolutions are compressed; biases and norm parameters (< 1024 values)
             # travel exactly in one fused allreduce, where codes would save little.
             ps = hvd.global_process_set
@@ -268,7 +294,14 @@ class BulkSynchronous(SyncedOptimizer):
 
     def step(self) -> None:
         tic = time.perf_counter()
-        if self.fixed is not None:
+        if self.hier is not None:
+            grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.named}
+            averaged = self.hier(grads)
+            for n, p in self.named:
+                p.grad = averaged[n]
+            self.base.step()
+            sent, wan = self.hier.last_bytes_sent, self.hier.last_wan_bytes
+        elif self.fixed is not None:
             grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.named}
             averaged = self.fixed(grads)
             for n, p in self.named:
@@ -288,7 +321,8 @@ class BulkSynchronous(SyncedOptimizer):
         self.stats.bytes_sent += int(sent)
         self.stats.wan_bytes += int(wan)
         self.stats.steps += 1
-        self._audit("gradients", sent)
+        if self.hier is None:  # the channel's groups log their own buffers
+            self._audit("gradients", sent)
 
     def _audit(self, kind: str, nbytes: float) -> None:
         """Horovod's buffers are not seen by the channel's hook: log them by their ring bytes."""
@@ -300,12 +334,19 @@ class BulkSynchronous(SyncedOptimizer):
         if self.buffers and self.size > 1:
             vector = self.hvd.allreduce(flat(self.buffers), op=self.hvd.Average, name="medseg.buffers")
             assign(self.buffers, vector)
-            self._audit("parameters", ring_allreduce_bytes(vector.numel(), 4, self.size))
+            sent = ring_allreduce_bytes(vector.numel(), 4, self.size)
+            self.stats.bytes_sent += int(sent)
+            self.stats.wan_bytes += int(sent) if self.crosses else 0
+            self._audit("parameters", sent)
 
     def sync_state(self) -> dict[str, Any]:
+        if self.hier is not None:
+            return {"hier": self.hier.state_dict()}
         return {"fixed": self.fixed.state_dict()} if self.fixed is not None else {}
 
     def load_sync_state(self, state: dict[str, Any]) -> None:
+        if self.hier is not None and state.get("hier"):
+            self.hier.load_state_dict(state["hier"])
         if self.fixed is not None and state.get("fixed"):
             self.fixed.load_state_dict(state["fixed"])
 

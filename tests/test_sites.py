@@ -74,6 +74,40 @@ def test_specs_parse_and_name_what_is_wrong() -> None:
         sites.parse_cpu("c=1", {"a": 1})
 
 
+def _tcp_packet(seq: int, payload: int, sport: int = 40000, options: int = 12) -> bytes:
+    """An IPv4 + TCP packet (site a -> site b) with ``payload`` bytes and ``options`` bytes of TCP options."""
+    import struct
+
+    thl = 20 + options
+    total = 20 + thl + payload
+    ip = struct.pack(
+        "!BBHHHBBH4s4s", 0x45, 0, total, 0, 0, 64, 6, 0, bytes([198, 18, 1, 1]), bytes([198, 18, 2, 1])
+    )
+    tcp = struct.pack("!HHIIBBHHH", sport, 5000, seq, 0, (thl // 4) << 4, 0x10, 65535, 0, 0)
+    return ip + tcp + b"\x01" * options + b"x" * payload
+
+
+def test_relay_counts_headers_payload_and_retransmissions() -> None:
+    from medseg.distributed.relay import Counters
+
+    c = Counters()
+    c.inspect(_tcp_packet(1000, 1448))  # new
+    c.inspect(_tcp_packet(2448, 1448))  # new
+    c.inspect(_tcp_packet(1000, 1448))  # the first one again: a retransmission
+    c.inspect(_tcp_packet(3000, 1448))  # 896 bytes already sent, 552 new
+    c.inspect(_tcp_packet(0, 0))  # a pure ACK
+    c.inspect(_tcp_packet(2**32 - 100, 300, sport=40001))  # another flow, wrapping around 2**32
+    c.inspect(_tcp_packet(200, 100, sport=40001))  # new after the wrap
+    c.inspect(_tcp_packet(2**32 - 50, 100, sport=40001))  # old data from before the wrap
+    t = c.tcp
+    assert t["payload"] == 4 * 1448 + 300 + 100 + 100
+    assert t["headers"] == 8 * 52
+    assert t["retrans_payload"] == 1448 + 896 + 100 and t["retrans_packets"] == 3
+    assert t["pure_acks"] == 1 and t["other"] == 0
+    c.inspect(b"\x45" + b"\x00" * 8 + b"\x11" + b"\x00" * 18)  # UDP: not TCP, counted apart
+    assert c.tcp["other"] == 28
+
+
 def test_without_root_or_tools_the_cli_says_what_to_do(monkeypatch, capsys) -> None:
     from medseg.cli import main
 
