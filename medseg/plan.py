@@ -71,9 +71,10 @@ log = logging.getLogger(__name__)
 
 GB = 2**30
 # The predicted total must stay within this share of the memory budget: the margin covers the model's
-# error (measured by --verify, docs/benchmarks.md "Planning": within 1% on UNet, SegResNet and DynUNet,
-# about -6% on UNet with --fused) and run-to-run allocator variation, so that the measured peak stays
-# under the budget whenever the prediction is at most 10% low.
+# error (measured by --verify, docs/benchmarks.md "Planning": -0.4% to +2.1% on UNet, SegResNet,
+# DynUNet and fused UNet; -6% on fused UNet when its probes had another topology) and run-to-run
+# allocator variation, so that the measured peak stays under the budget while the prediction is at
+# most 10% low.
 SAFETY = 0.9
 TRAIN_SHARE = 0.8  # share of the time budget for training steps (the rest: loading, validation)
 MIN_COVER = 0.25  # nnU-Net: the patch should see at least a quarter of a median image
