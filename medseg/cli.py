@@ -230,6 +230,8 @@ def _plan(args: argparse.Namespace) -> None:
             "params": p.params,
             "verify": p.verify,
             "probes": [vars(pr) for pr in p.memory.probes] if p.memory else None,
+            "topology": p.memory.topology if p.memory else None,
+            "probe_runs": p.probe_runs,
         }
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}; train with: medseg train --config {out}")

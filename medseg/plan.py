@@ -13,19 +13,30 @@ The choices, each written into the YAML as a comment naming the fact it came fro
    :func:`medseg.models.dynunet_plan`; filters 32 doubling to 320), UNet (channels from a base width
    doubling per level, capped at 320; as many stride-2 levels as keep every axis >= 4 voxels) or
    SegResNet (MONAI's 4 stages). Default: DynUNet on CUDA, a small UNet on CPU.
-4. **Patch and batch** from a memory model measured, not guessed: :mod:`medseg.kernels.measure`
-   runs the chosen network's training step (forward, Dice+CE loss, backward, AdamW; fused kernels and
-   the fused loss with ``--fused``) at two small probe patches, each in its own process. Per probe,
+4. **Patch and batch** from a memory model measured, not guessed, on the candidate patch's own
+   network. A network's *topology* is its ``network_def`` at that patch: DynUNet's kernels and
+   strides (nnU-Net's rule follows the patch: more levels, in-plane-only levels on anisotropic data),
+   UNet's stride-2 levels, SegResNet's fixed 4 stages. For each topology the search meets,
+   :mod:`medseg.kernels.measure` runs that exact network's training step (forward, Dice+CE loss,
+   backward, AdamW; fused kernels and the fused loss with ``--fused``) at two probe patches, each in
+   its own process: the candidate patch scaled to about 32k and 98k voxels (the larger at most the
+   candidate itself, the smaller at most 40% of the larger), rounded per axis to whole multiples of the
+   topology's total stride ``S`` (the product of its strides; the deepest level keeps >= 2 voxels).
+   With kernels and strides fixed, every level of the probe has the candidate's channels and only
+   its maps shrink, so memory per voxel transfers from the probe to the candidate. Per probe,
    ``peak - 4 P = c + b (B V)``, where ``peak`` is the step's measured peak above the memory in use
-   before it, ``P`` the probe network's parameters (their gradients are ``4 P`` bytes), ``B V`` the
-   voxels in the batch; two probes give ``b`` (bytes per batch voxel) and ``c``. The planned
-   network's step peak is predicted as ``4 P + c + b B V`` and its total as that plus ``12 P`` (weights
-   and AdamW's two moments) plus the batch (``8 B V``: image and label as float32). The step time is
-   fitted the same way: ``t = t0 + k B V``.
+   before it, ``P`` the network's parameters (their gradients are ``4 P`` bytes), ``B V`` the voxels
+   in the batch; two probes give ``b`` (bytes per batch voxel) and ``c``. The candidate's step peak is
+   predicted as ``4 P + c + b B V`` and its total as that plus ``12 P`` (weights and AdamW's two
+   moments) plus the batch (``8 B V``: image and label as float32). The step time is fitted the same
+   way: ``t = t0 + k B V``. Models are cached per topology: two probe processes per topology met
+   (``Plan.probe_runs``); without a time budget each probe times one step instead of three.
+   Probing a different topology does not transfer: probes at small patches with their own
+   (shallower) DynUNet topologies predicted 873 MiB for a plan measured at 1365 MiB (-36%).
 
    The patch starts as the median image at the target spacing (rounded up to the network's
    divisor) and shrinks, one divisor step on the axis whose patch is largest relative to the median
-   image, until the predicted total is within ``SAFETY`` of the budget and, on ``--device cpu``,
+   image, until the predicted total is within ``SAFETY`` (90%) of the budget and, on ``--device cpu``,
    ``steps`` training steps take at most ``TRAIN_SHARE`` of ``--time-s``. If the patch then sees less
    than a quarter of a median image (nnU-Net's low-resolution rule), the spacing is coarsened by 5%
    steps (finest axes first, up to the coarsest) and the search is repeated. The batch is 2, raised
@@ -61,7 +72,12 @@ from medseg.errors import ConfigError, MedsegError
 log = logging.getLogger(__name__)
 
 GB = 2**30
-SAFETY = 0.9  # predicted total must stay within this share of the memory budget
+# The predicted total must stay within this share of the memory budget: the margin covers the model's
+# error (measured by --verify, docs/benchmarks.md "Planning": -0.4% to +2.1% on UNet, SegResNet,
+# DynUNet and fused UNet; -6% on fused UNet when its probes had another topology) and run-to-run
+# allocator variation, so that the measured peak stays under the budget while the prediction is at
+# most 10% low.
+SAFETY = 0.9
 TRAIN_SHARE = 0.8  # share of the time budget for training steps (the rest: loading, validation)
 MIN_COVER = 0.25  # nnU-Net: the patch should see at least a quarter of a median image
 DEFAULT_STEPS = {"cpu": 1000, "cuda": 25000}  # training steps of the planned batch (patches per step)
@@ -95,6 +111,7 @@ class MemoryModel:
     variant: str
     probes: list[Probe]
     cpu_time: bool = True
+    topology: str = ""  # the probed network's kernels/strides or channels, in words
     b: float = 0.0
     c: float = 0.0
     k: float = 0.0
@@ -139,6 +156,8 @@ class Plan:
     params: int = 0
     notes: list[str] = field(default_factory=list)
     verify: dict[str, Any] | None = None
+    probe_runs: int = 0  # probe processes the search started (two per topology it met)
+    topologies: int = 0  # network topologies measured
 
     @property
     def patch_voxels(self) -> int:
@@ -307,41 +326,127 @@ def run_measure(
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _probe_shapes(median: list[float], divisor: int, net: str, spacing: list[float]) -> list[list[int]]:
-    """Two small patches with the median image's proportions, about 32k and 96k voxels."""
-    shapes = []
-    for voxels in (32_768, 98_304):
-        scale = (voxels / math.prod(median)) ** (1 / 3)
-        shape = [max(divisor, int(round(m * scale / divisor)) * divisor) for m in median]
-        while not _valid(net, shape, spacing):
-            shape = [s + divisor for s in shape]
-        if shapes and math.prod(shape) <= math.prod(shapes[-1]):
-            shape = [s * 2 if i == int(np.argmin(shape)) else s for i, s in enumerate(shape)]
-        shapes.append(shape)
-    return shapes
+PROBE_VOXELS = (32_768, 98_304)  # probe patch sizes (voxels), capped at the candidate patch's own size
 
 
-def measure_model(
-    base: dict[str, Any],
-    net: str,
-    device: str,
-    spacing: list[float],
-    median: list[float],
-    classes: int,
-    fused: bool,
-    cpu_time: bool,
-) -> MemoryModel:
-    variant = "fused" if fused else "baseline"
-    probes = []
-    for shape in _probe_shapes(median, _divisor(net, device), net, spacing):
-        model, _ = model_section(net, device, shape, spacing)
-        nd = _net_def(_cfg(base, shape, model), classes)
-        log.info("plan: measuring %s (%s) at %s, batch 2", net, variant, shape)
-        r = run_measure(nd, shape, 2, variant, device, classes, steps=3)
-        probes.append(
-            Probe(shape, 2, r["params"], r["peak_bytes"], r["static_bytes"], r["step_s"], r["step_cpu_s"])
-        )
-    return MemoryModel(variant, probes, cpu_time).fit()
+def _total_stride(net_def: dict[str, Any]) -> list[int]:
+    """Per axis, the product of the network's downsampling strides: a probe patch must divide by it."""
+    target = net_def["_target_"].rsplit(".", 1)[-1]
+    if target == "DynUNet":
+        return [math.prod(s[a] for s in net_def["strides"]) for a in range(3)]
+    if target == "UNet":
+        return [math.prod(net_def["strides"])] * 3
+    if target == "SegResNet":
+        return [2 ** (len(net_def.get("blocks_down", (1, 2, 2, 4))) - 1)] * 3
+    # model_section builds only these three
+    raise ConfigError(f"plan: no probe rule for {target}")  # pragma: no cover
+
+
+def _probe_shapes(patch: list[int], stride: list[int]) -> list[list[int]]:
+    """Two probe patches for the network of ``patch``, whose downsampling strides multiply to ``stride``.
+
+    Each is the candidate patch scaled to about ``PROBE_VOXELS`` (the larger at most the candidate
+    itself, the smaller at most 40% of the larger) and rounded to whole multiples of ``stride`` per
+    axis, so every level of the probe's network has the same kernels, strides and channels as the
+    candidate's, only smaller maps; the deepest level keeps at least 2 voxels (instance norm needs
+    more than one in training)."""
+    cells = [p // s for p, s in zip(patch, stride)]  # the bottleneck's voxels along each axis
+    total = math.prod(patch)
+    big = min(PROBE_VOXELS[1], total)
+    out = []
+    for voxels in (min(PROBE_VOXELS[0], 0.4 * big), big):
+        scale = (voxels / total) ** (1 / 3)
+        q = [min(c, max(1, round(c * scale))) for c in cells]
+        while math.prod(q) < 2:
+            a = int(np.argmin(q))
+            q[a] += 1
+        out.append(q)
+    if math.prod(out[0]) >= math.prod(out[1]):  # a small candidate: make the probes differ
+        a = int(np.argmax(out[0]))
+        if out[0][a] > 1 and math.prod(out[0]) // out[0][a] * (out[0][a] // 2) >= 2:
+            out[0][a] //= 2
+        else:
+            a = int(np.argmin(out[1]))
+            out[1][a] *= 2
+    return [[c * s for c, s in zip(q, stride)] for q in out]
+
+
+def _topology_text(net_def: dict[str, Any]) -> str:
+    if "kernel_size" in net_def:
+        return f"kernels {net_def['kernel_size']}, strides {net_def['strides']}"
+    if "channels" in net_def:
+        return f"channels {net_def['channels']}, strides {net_def['strides']}"
+    return f"{net_def['init_filters']} initial filters"
+
+
+class MemoryModels:
+    """Memory (and step time) models measured per network topology, each on first use.
+
+    The network of a candidate patch is its ``network_def`` (for DynUNet, kernels and strides by
+    nnU-Net's rule from that patch; for UNet, its stride-2 levels). Its model is fitted from two probe
+    runs of *that* network (:func:`_probe_shapes`), cached under the definition, so the search measures
+    each topology it meets once, with two processes."""
+
+    def __init__(
+        self,
+        base: dict[str, Any],
+        net: str,
+        device: str,
+        classes: int,
+        fused: bool,
+        cpu_time: bool,
+        timed: bool = True,
+    ) -> None:
+        self.base, self.net, self.device, self.classes = base, net, device, classes
+        self.variant = "fused" if fused else "baseline"
+        self.cpu_time, self.timed = cpu_time, timed
+        self.models: dict[str, MemoryModel] = {}
+        self.params: dict[str, int] = {}
+        self.runs = 0  # probe processes started
+
+    def net_def(self, patch: list[int], spacing: list[float]) -> dict[str, Any]:
+        model, _ = model_section(self.net, self.device, patch, spacing)
+        return _net_def(_cfg(self.base, patch, model), self.classes)
+
+    def count_params(self, nd: dict[str, Any]) -> int:
+        key = json.dumps(nd, sort_keys=True)
+        if key not in self.params:
+            self.params[key] = _params(nd)
+        return self.params[key]
+
+    def get(self, patch: list[int], spacing: list[float]) -> tuple[MemoryModel, int]:
+        """The model of ``patch``'s network (measured now if its topology is new) and its parameters."""
+        nd = self.net_def(patch, spacing)
+        key = json.dumps(nd, sort_keys=True)
+        if key not in self.models:
+            probes = []
+            for shape in _probe_shapes(patch, _total_stride(nd)):
+                log.info(
+                    "plan: measuring %s (%s) %s at %s, batch 2",
+                    self.net,
+                    self.variant,
+                    _topology_text(nd),
+                    shape,
+                )
+                # without a time budget one timed step is enough (the step time fit is then unused)
+                r = run_measure(
+                    nd, shape, 2, self.variant, self.device, self.classes, steps=3 if self.timed else 1
+                )
+                self.runs += 1
+                probes.append(
+                    Probe(
+                        shape,
+                        2,
+                        r["params"],
+                        r["peak_bytes"],
+                        r["static_bytes"],
+                        r["step_s"],
+                        r["step_cpu_s"],
+                    )
+                )
+            self.models[key] = MemoryModel(self.variant, probes, self.cpu_time, _topology_text(nd)).fit()
+            self.params[key] = probes[0].params
+        return self.models[key], self.count_params(nd)
 
 
 def demo_anchor(base: dict[str, Any], classes: int, device: str) -> dict[str, Any]:
@@ -356,28 +461,29 @@ def demo_anchor(base: dict[str, Any], classes: int, device: str) -> dict[str, An
 
 
 def _fit_patch(
-    base: dict[str, Any],
     net: str,
     device: str,
     spacing: list[float],
     median_shape: list[float],
-    mm: MemoryModel,
+    models: MemoryModels,
     budget: float,
     time_per_step: float | None,
-    classes: int,
-) -> tuple[list[int], int, str]:
-    """Largest patch (batch 2) under memory and time; returns patch, its network's params, and what bound it."""
+) -> tuple[list[int], int, str, MemoryModel]:
+    """Largest patch (batch 2) under memory and time; returns patch, its network's params, what bound
+    it, and the memory model of its network (measured for that topology, :class:`MemoryModels`)."""
     div = _divisor(net, device)
     patch = [max(div, int(math.ceil(m / div)) * div) for m in median_shape]
     bound = "the median image fits whole"
     while True:
-        model, _ = model_section(net, device, patch, spacing)
-        params = _params(_net_def(_cfg(base, patch, model), classes))
-        vox = 2 * math.prod(patch)
-        over_mem = mm.total(params, vox) > SAFETY * budget
-        over_time = time_per_step is not None and mm.step_s(vox) > time_per_step
-        if _valid(net, patch, spacing) and not over_mem and not over_time:
-            return patch, params, bound
+        valid = _valid(net, patch, spacing)
+        over_mem = over_time = False
+        if valid:
+            mm, params = models.get(patch, spacing)
+            vox = 2 * math.prod(patch)
+            over_mem = mm.total(params, vox) > SAFETY * budget
+            over_time = time_per_step is not None and mm.step_s(vox) > time_per_step
+            if not over_mem and not over_time:
+                return patch, params, bound, mm
         bound = "memory" if over_mem else ("time" if over_time else "divisibility")
         ratios = [p / m for p, m in zip(patch, median_shape)]
         order = sorted(range(3), key=lambda a: (-ratios[a], -patch[a]))
@@ -386,14 +492,16 @@ def _fit_patch(
                 patch[a] -= div
                 break
         else:
-            log.info(
-                "plan: memory fit %.0f B/voxel + %.0f MiB; time fit %.4f + %.3g x voxels; probes %s",
-                mm.b,
-                mm.c / 2**20,
-                mm.t0,
-                mm.k,
-                mm.probes,
-            )
+            for mm in models.models.values():
+                log.info(
+                    "plan: %s: memory fit %.0f B/voxel + %.0f MiB; time fit %.4f + %.3g x voxels; probes %s",
+                    mm.topology,
+                    mm.b,
+                    mm.c / 2**20,
+                    mm.t0,
+                    mm.k,
+                    mm.probes,
+                )
             raise MedsegError(
                 f"no patch of at least {div} voxels a side fits: the budget is too small "
                 f"({budget / GB:.2f} GiB{'' if time_per_step is None else f', {time_per_step:.3f} s per step'}); "
@@ -447,7 +555,8 @@ def plan(
 
     net = net or ("unet" if device == "cpu" else "dynunet")
     n_train = max(1, int(round(fp["num_cases"] * 0.8)))
-    mm = measure_model(base, net, device, spacing, _median_at(fp, spacing), classes, fused, demo_budget)
+    timed = demo_budget or bool(time_s)
+    models = MemoryModels(base, net, device, classes, fused, demo_budget, timed)
     anchor = None
     if demo_budget:
         anchor = demo_anchor(base, classes, device)
@@ -460,8 +569,8 @@ def plan(
     coarsened = False
     for _ in range(60):
         median_shape = _median_at(fp, spacing)
-        patch, params, bound = _fit_patch(
-            base, net, device, spacing, median_shape, mm, budget, time_per_step, classes
+        patch, params, bound, mm = _fit_patch(
+            net, device, spacing, median_shape, models, budget, time_per_step
         )
         cover = math.prod(patch) / math.prod(median_shape)
         if cover >= MIN_COVER or bound == "the median image fits whole":
@@ -550,6 +659,8 @@ def plan(
         mm.step_s(vox),
         params,
         notes,
+        probe_runs=models.runs,
+        topologies=len(models.models),
     )
 
 
@@ -592,7 +703,8 @@ def _memory_text(mm: MemoryModel, params: int, vox: int, step: float, total: flo
         for p in mm.probes
     )
     return (
-        f"measured with medseg.kernels.measure ({mm.variant}) at {probes}; fit {mm.b:.0f} bytes per batch voxel "
+        f"measured with medseg.kernels.measure ({mm.variant}) on the planned network ({mm.topology}) at "
+        f"smaller patches {probes}; fit {mm.b:.0f} bytes per batch voxel "
         f"+ {mm.c / 2**20:.0f} MiB + gradients; predicted step peak {step / 2**20:.0f} MiB, total "
         f"{total / 2**20:.0f} MiB with weights, AdamW state and batch (budget {budget / 2**20:.0f} MiB)"
     )

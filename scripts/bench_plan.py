@@ -3,8 +3,9 @@
     .venv/bin/python scripts/bench_plan.py DATASET --json OUT.json [--nets unet segresnet dynunet]
 
 For each network: ``medseg plan --net NET --memory-gb G --time-s 0 --verify`` (a memory budget that
-binds, no time limit), i.e. the memory model measured at two probe patches, the patch fitted to the
-budget, and two training steps measured at that patch. Then UNet planned with and without ``--fused``
+binds, no time limit), i.e. the memory model measured at two probe patches for each network topology
+the search meets (``probe_runs`` processes), the patch fitted to the budget, and two training steps
+measured at that patch. Then UNet planned with and without ``--fused``
 at the same budget: the ratio of the planned patch volumes. Each measurement runs in its own process
 (medseg.kernels.measure); the numbers depend on the CPU's instruction set, not on the machine's load.
 """
@@ -39,8 +40,10 @@ def main() -> None:
         v = verify(pl)
         v["plan_s"] = round(time.monotonic() - t0, 1)
         v["probes"] = [vars(pr) for pr in pl.memory.probes]
+        v["topology"] = pl.memory.topology
+        v["probe_runs"], v["topologies"] = pl.probe_runs, pl.topologies
         out["verify"][net] = v
-        print(format_verify(v), flush=True)
+        print(format_verify(v), f"({pl.probe_runs} probe runs, {pl.topologies} topologies)", flush=True)
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     if not args.skip_fused:
         res = {}

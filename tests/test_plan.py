@@ -259,3 +259,24 @@ def test_classification_object_crop_holds_an_off_centre_object() -> None:
     )
     monai_out = parser.get_parsed_content("pre")({"image": image})["image"]
     assert torch.allclose(torch.as_tensor(monai_out), out_obj.as_tensor(), atol=1e-5)
+
+
+def test_dynunet_plan_predicts_its_measured_peak(seg_data: Path) -> None:
+    """DynUNet's topology follows the patch (nnU-Net's kernels and strides), so its memory model must be
+    measured on the planned patch's own network: at a budget that binds, the predicted peak is within
+    15% of two training steps measured at the planned patch in a fresh process, and within budget."""
+    from medseg import plan as planner
+    from medseg.models import dynunet_plan
+
+    budget_gb = 0.2
+    p = planner.plan(seg_data, memory_gb=budget_gb, device="cpu", net="dynunet", time_s=0, name="dyn")
+    cfg = p.config
+    patch, spacing = cfg["transforms"]["patch"], cfg["transforms"]["spacing"]
+    assert "bound by memory" in p.comments["transforms.patch"]
+    # the model was measured on the planned network's kernels and strides, once per topology met
+    kernels, strides = dynunet_plan(patch, spacing)
+    assert p.memory.topology == f"kernels {kernels}, strides {strides}"
+    assert p.probe_runs == 2 * p.topologies
+    v = planner.verify(p)
+    assert v["within_budget"], planner.format_verify(v)
+    assert abs(v["error"]) <= 0.15, planner.format_verify(v)
