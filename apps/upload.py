@@ -277,7 +277,7 @@ def viewer_nifti(files: Sequence[UploadedBytes]) -> ViewerNifti | None:
 
         hdr = nib.Nifti1Header.from_fileobj(stream, check=False)
         shape = tuple(int(s) for s in hdr.get_data_shape())
-        if bytes(hdr["magic"]) != b"n+1" or len(shape) != 3 or min(shape) < 2:
+        if hdr["magic"].item() != b"n+1" or len(shape) != 3 or min(shape) < 2:
             return None
         if int(hdr["datatype"]) not in VIEWER_DTYPES:
             return None
