@@ -301,14 +301,32 @@ def _dicom_seg(
     return export.data, None, note
 
 
+def _ask(name: str, key: Any) -> None:
+    st.session_state[name] = key
+
+
 def model_section(info: ModelInfo, loaded: dict[str, Any]) -> Result | None:
-    """The run button, the progress bar, and the result kept for this image and model."""
+    """The run button, the progress bar, and the result kept for this image and model.
+
+    A click is kept in the session (``run_requested``) until the result is stored, not only in the
+    button's one-run value: another rerun (the viewport reporting WebGL or an edit, any widget)
+    stops a script run at its next Streamlit call, the progress bar's included, and the next run
+    would see the button unpressed. With the request kept, that run starts the model again.
+    """
     key = (loaded["key"], str(info.bundle), info.mtime)
     stored = st.session_state.get("result")
     if stored and stored["key"] == key:
+        st.session_state.pop("run_requested", None)
         return stored["result"]
     verb = "segmentation" if info.task == "segmentation" else "classification"
-    if not st.button(f"Run {verb} with {info.name}", type="primary", key="run"):
+    if st.session_state.get("run_requested") != key:
+        st.button(
+            f"Run {verb} with {info.name}",
+            type="primary",
+            key="run",
+            on_click=_ask,
+            args=("run_requested", key),
+        )
         return None
     bar = st.progress(0.0, text="Loading the model…")
     try:
@@ -328,6 +346,7 @@ def model_section(info: ModelInfo, loaded: dict[str, Any]) -> Result | None:
             else None
         )
     except Exception as e:  # noqa: BLE001 - a bad input or model is a message, not a crash
+        st.session_state.pop("run_requested", None)
         bar.empty()
         st.error(_problem(e))
         return None
@@ -348,6 +367,7 @@ def model_section(info: ModelInfo, loaded: dict[str, Any]) -> Result | None:
         "labels_nifti": labels_nifti,
         "labels_id": viewport.digest(labels_nifti) if labels_nifti is not None else "none",
     }
+    st.session_state.pop("run_requested", None)
     if labels_view is not None:
         centre = render.label_centre(labels_view)
         if centre is not None:  # start the panels on the segmented region
@@ -699,9 +719,17 @@ def compare_panel(
             )
             other = by_path[chosen]
             source = ("model", str(other.bundle), other.mtime)
-            if (second is None or second["source"] != source) and st.button(
-                f"Run {other.name} on this case", key="run_second"
-            ):
+            want = (loaded["key"], source)  # kept until the result is (see model_section)
+            if second is not None and second["source"] == source:
+                st.session_state.pop("second_requested", None)
+            elif st.session_state.get("second_requested") != want:
+                st.button(
+                    f"Run {other.name} on this case",
+                    key="run_second",
+                    on_click=_ask,
+                    args=("second_requested", want),
+                )
+            else:
                 bar = st.progress(0.0, text="Loading the second model…")
                 try:
                     bundle = cached_bundle(str(other.bundle), other.mtime)
@@ -710,11 +738,13 @@ def compare_panel(
                     if label is None:
                         raise ValueError(f"{other.name} gave no label map")
                 except Exception as e:  # noqa: BLE001
+                    st.session_state.pop("second_requested", None)
                     bar.empty()
                     st.error(_problem(e))
                 else:
                     bar.empty()
                     _keep_second(loaded, source, other.name, label[0].numpy(), label.affine.numpy())
+                    st.session_state.pop("second_requested", None)
                     st.rerun()
     second = current_second(loaded)
     if second is None:
