@@ -258,7 +258,8 @@ def test_edit_and_export_round_trip(server, browser, seg_run, seg_data, tmp_path
             )
         )
         browser.find_elements(By.CSS_SELECTOR, "input[type=file]")[1].send_keys(str(fixed_path))
-        wait.until(lambda d: "Shown in cyan" in body_text(d))
+        # the caption comes before the Dice table in the same run: wait for that run to end
+        wait_processed(browser, f"Shown in cyan beside tiny-seg's mask: {fixed_path.name}")
         view.wait_volumes(3)
         time.sleep(0.5)
         page = body_text(browser)
