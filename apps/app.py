@@ -8,8 +8,10 @@ only cuts and draws three slices.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,15 @@ from medseg.bundle import Bundle, load_bundle
 log = logging.getLogger("medseg.apps")
 
 AUTO, CUSTOM = "Auto (1st–99th percentile)", "Custom"
+
+
+def _mark(stage: str) -> None:
+    """Append ``{"stage", "t"}`` (wall clock) to the file named by ``MEDSEG_APP_TIMINGS``, if set:
+    the viewer benchmark's breakdown of a first paint (scripts/bench_viewer.py). Off by default."""
+    path = os.environ.get("MEDSEG_APP_TIMINGS")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"stage": stage, "t": time.time()}) + "\n")
 
 
 @st.cache_resource(show_spinner="Loading the model…", max_entries=4)
@@ -149,6 +160,7 @@ def _take_upload(limit: int) -> None:
         max_upload_size=limit,
     )
     if files:
+        _mark("upload in")
         st.session_state["upload_files"] = {
             "id": gen + 1,
             "files": [upload.UploadedBytes(f.name, f.getvalue()) for f in files],
@@ -159,8 +171,26 @@ def _take_upload(limit: int) -> None:
         st.rerun()
 
 
-def input_section(info: ModelInfo) -> dict[str, Any] | None:
-    """Upload or demo case -> the loaded image in session state (loaded once per input)."""
+def _direct_volume(loaded: dict[str, Any], direct: upload.ViewerNifti | None, vid: str) -> None:
+    """Keep the uploaded file as the viewport's volume when the full read agrees with its header's
+    shape and geometry (it does unless the header check in ``viewer_nifti`` missed something)."""
+    image = loaded["image"]
+    if (
+        direct is not None
+        and int(image.shape[0]) == 1
+        and tuple(int(s) for s in image.shape[1:]) == direct.shape
+        and np.allclose(image.affine.numpy(), direct.affine, atol=1e-4)
+    ):
+        loaded.update(nifti=direct.data, nifti_id=vid, nifti_name=direct.name)
+
+
+def input_section(info: ModelInfo, early: Any = None) -> dict[str, Any] | None:
+    """Upload or demo case -> the loaded image in session state (loaded once per input).
+
+    ``early(volume, volume_id)`` is called with a NIfTI upload that the viewport can show as it is
+    (:func:`medseg.apps.upload.viewer_nifti`) before its voxels are read here: the scan paints
+    while the server reads it.
+    """
     mode = st.radio("Input", ["Upload", "Demo case"], horizontal=True, key="input_mode")
     loaded = st.session_state.get("loaded")
     if mode == "Upload":
@@ -187,6 +217,10 @@ def input_section(info: ModelInfo) -> dict[str, Any] | None:
             if (loaded is None or loaded["key"] != key) and not pending["files"]:
                 return None  # read before and replaced by a demo case since: upload it again
             if loaded is None or loaded["key"] != key:
+                _mark("read start")
+                direct = upload.viewer_nifti(pending["files"]) if early is not None and uid is None else None
+                vid = f"upload-{pending['id']}-{len(direct.data)}" if direct is not None else ""
+                painted = direct is not None and early(direct, vid)
                 with st.spinner("Reading the upload…"):
                     try:
                         result = upload.read_upload(pending["files"], series_uid=uid)
@@ -199,12 +233,16 @@ def input_section(info: ModelInfo) -> dict[str, Any] | None:
                             st.session_state.pop("series", None)
                         else:
                             _store_image(key, result.image, result.source, pending["case"], result.headers)
+                            _direct_volume(st.session_state["loaded"], direct, vid)
                             series = series or (result.series if len(result.series) > 1 else None)
                 st.session_state["loaded"]["series"] = series
+                _mark("read done")
                 if not series:  # nothing left to choose: the bytes are not needed any more
                     st.session_state["upload_files"] = {**pending, "files": []}
                 if st.session_state["loaded"]["image"] is None and series and uid is None:
                     st.rerun()
+                if painted and st.session_state["loaded"].get("nifti_id") != vid:
+                    st.rerun()  # refused, or read differently: the next run draws what was read
     else:
         cases = demo_cases(
             info, extra=[p for p in os.environ.get("MEDSEG_APP_DEMO", "").split(os.pathsep) if p]
@@ -263,14 +301,32 @@ def _dicom_seg(
     return export.data, None, note
 
 
+def _ask(name: str, key: Any) -> None:
+    st.session_state[name] = key
+
+
 def model_section(info: ModelInfo, loaded: dict[str, Any]) -> Result | None:
-    """The run button, the progress bar, and the result kept for this image and model."""
+    """The run button, the progress bar, and the result kept for this image and model.
+
+    A click is kept in the session (``run_requested``) until the result is stored, not only in the
+    button's one-run value: another rerun (the viewport reporting WebGL or an edit, any widget)
+    stops a script run at its next Streamlit call, the progress bar's included, and the next run
+    would see the button unpressed. With the request kept, that run starts the model again.
+    """
     key = (loaded["key"], str(info.bundle), info.mtime)
     stored = st.session_state.get("result")
     if stored and stored["key"] == key:
+        st.session_state.pop("run_requested", None)
         return stored["result"]
     verb = "segmentation" if info.task == "segmentation" else "classification"
-    if not st.button(f"Run {verb} with {info.name}", type="primary", key="run"):
+    if st.session_state.get("run_requested") != key:
+        st.button(
+            f"Run {verb} with {info.name}",
+            type="primary",
+            key="run",
+            on_click=_ask,
+            args=("run_requested", key),
+        )
         return None
     bar = st.progress(0.0, text="Loading the model…")
     try:
@@ -290,6 +346,7 @@ def model_section(info: ModelInfo, loaded: dict[str, Any]) -> Result | None:
             else None
         )
     except Exception as e:  # noqa: BLE001 - a bad input or model is a message, not a crash
+        st.session_state.pop("run_requested", None)
         bar.empty()
         st.error(_problem(e))
         return None
@@ -310,6 +367,7 @@ def model_section(info: ModelInfo, loaded: dict[str, Any]) -> Result | None:
         "labels_nifti": labels_nifti,
         "labels_id": viewport.digest(labels_nifti) if labels_nifti is not None else "none",
     }
+    st.session_state.pop("run_requested", None)
     if labels_view is not None:
         centre = render.label_centre(labels_view)
         if centre is not None:  # start the panels on the segmented region
@@ -380,13 +438,19 @@ def static_panels(
 
 
 def viewer(
-    loaded: dict[str, Any], stored: dict[str, Any] | None, info: ModelInfo, second: dict[str, Any] | None
+    loaded: dict[str, Any],
+    stored: dict[str, Any] | None,
+    info: ModelInfo,
+    second: dict[str, Any] | None,
+    early: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """The NiiVue viewport, or the static panels where WebGL (or the vendored viewer) is missing.
 
     The browser reports whether WebGL 2 works once the viewport starts; until it has (and in
-    AppTest, which runs no JavaScript) the static panels are drawn as well. Returns the viewport's
-    report (with the user's label edits, if any), or None.
+    AppTest, which runs no JavaScript) the static panels are drawn as well, below it: the viewport's
+    arguments go out first. Returns the viewport's report (with the user's label edits, if any), or
+    None. ``early`` holds the report of a viewport already drawn in this run (the upload's first
+    paint, before it was read): it is not drawn twice.
     """
     level, width, opacity, crosshair = display_controls(loaded)
     labels = stored["labels_view"] if stored is not None else None
@@ -395,7 +459,12 @@ def viewer(
     if mode == INTERACTIVE and not viewport.available():
         st.info("The interactive viewer is not part of this installation; showing static panels.")
         show_static = True
+    elif mode == INTERACTIVE and early is not None:
+        reported = early["report"]
+        if reported is None:
+            show_static = True
     elif mode == INTERACTIVE:
+        side = bool(second and stored is not None and side_by_side(second))
         if "nifti" not in loaded:
             image = loaded["image"]
             loaded["nifti"] = viewport.nifti_bytes(image[0].numpy(), image.affine.numpy())
@@ -403,6 +472,7 @@ def viewer(
         lab_bytes, lab_id = None, "none"
         if stored is not None and stored.get("labels_nifti") is not None:
             lab_bytes, lab_id = stored["labels_nifti"], stored["labels_id"]
+        _mark("viewport call")
         reported = viewport.viewport(
             loaded["nifti"],
             loaded["nifti_id"],
@@ -414,9 +484,13 @@ def viewer(
             width,
             opacity,
             editable=lab_bytes is not None,
-            second=second["nifti"] if second and lab_bytes is not None else None,
+            second=second["nifti"] if second and lab_bytes is not None and not side else None,
             second_id=second["id"] if second and lab_bytes is not None else "none",
             second_name=second["name"] if second else "",
+            volume_name=loaded.get("nifti_name", "scan.nii"),
+            side_by_side=side,
+            second_filled=second["filled"] if side else None,
+            first_name=info.name,
         )
         if reported is None:
             show_static = True  # until the browser says whether WebGL works
@@ -523,7 +597,11 @@ def corrections_panel(
         st.session_state["corrected"] = kept
     voxel_ml = float(abs(np.linalg.det(np.asarray(kept["label"].affine)[:3, :3]))) / 1000.0
     fixed = kept["label"][0].numpy()
-    st.caption(f"{int(edits['changed'])} voxels differ from {info.name}'s mask.")
+    steps = int(edits.get("seq", 0))
+    st.caption(
+        f"{int(edits['changed'])} voxels differ from {info.name}'s mask "
+        f"(after {steps} edit step{'s' if steps != 1 else ''}: strokes and undos)."
+    )
     st.table(
         pd.DataFrame(
             [
@@ -578,11 +656,24 @@ def _keep_second(
         "name": name,
         "label": np.asarray(label, dtype=np.uint8),
         "nifti": nifti,
+        "filled": viewport.nifti_bytes(label, affine, True),  # for the side-by-side viewer
         "id": viewport.digest(nifti),
     }
 
 
 NO_SECOND, UPLOAD_MASK, OTHER_MODEL = "Nothing", "A mask file", "Another model"
+SIDE, EDGES = "Side by side (two linked viewers)", "As cyan edges on the model's view"
+
+
+def _view_key(second: dict[str, Any]) -> str:
+    return f"second_view_{second['source'][0]}"
+
+
+def side_by_side(second: dict[str, Any]) -> bool:
+    """Whether the second mask gets its own viewer: by default for another model's mask, not for a
+    mask file (drawn as edges over the model's); the Compare panel's choice changes it."""
+    default = SIDE if second["source"][0] == "model" else EDGES
+    return st.session_state.get(_view_key(second), default) == SIDE
 
 
 def compare_panel(
@@ -628,9 +719,17 @@ def compare_panel(
             )
             other = by_path[chosen]
             source = ("model", str(other.bundle), other.mtime)
-            if (second is None or second["source"] != source) and st.button(
-                f"Run {other.name} on this case", key="run_second"
-            ):
+            want = (loaded["key"], source)  # kept until the result is (see model_section)
+            if second is not None and second["source"] == source:
+                st.session_state.pop("second_requested", None)
+            elif st.session_state.get("second_requested") != want:
+                st.button(
+                    f"Run {other.name} on this case",
+                    key="run_second",
+                    on_click=_ask,
+                    args=("second_requested", want),
+                )
+            else:
                 bar = st.progress(0.0, text="Loading the second model…")
                 try:
                     bundle = cached_bundle(str(other.bundle), other.mtime)
@@ -639,21 +738,32 @@ def compare_panel(
                     if label is None:
                         raise ValueError(f"{other.name} gave no label map")
                 except Exception as e:  # noqa: BLE001
+                    st.session_state.pop("second_requested", None)
                     bar.empty()
                     st.error(_problem(e))
                 else:
                     bar.empty()
                     _keep_second(loaded, source, other.name, label[0].numpy(), label.affine.numpy())
+                    st.session_state.pop("second_requested", None)
                     st.rerun()
     second = current_second(loaded)
     if second is None:
         return
     model_mask = stored["result"].prediction.label[0].numpy()
     rows = review.dice_table(model_mask, second["label"], info.labels)
-    st.caption(
-        f"Shown in cyan beside {info.name}'s mask: {second['name']}. Dice = 2|A∩B| / (|A| + |B|), "
-        "1 is identical, 0 no overlap."
+    choice = st.radio(
+        "Show the second mask",
+        [SIDE, EDGES],
+        index=0 if side_by_side(second) else 1,
+        key=_view_key(second),
+        horizontal=True,
     )
+    where = (
+        f"Shown in a second viewer to the right of {info.name}'s (crosshair, slices, zoom and window linked)"
+        if choice == SIDE
+        else f"Shown in cyan beside {info.name}'s mask"
+    )
+    st.caption(f"{where}: {second['name']}. Dice = 2|A∩B| / (|A| + |B|), 1 is identical, 0 no overlap.")
     st.table(
         pd.DataFrame(
             [
@@ -699,16 +809,33 @@ def main() -> None:
     info = sidebar_models()
     if info is None:
         return
-    loaded = input_section(info)
+    # the page's two parts exist before anything is read, so the viewport can be drawn into the left
+    # column while the upload is still being read (into ``head``, above it)
+    head = st.container()
+    top = st.columns([2, 1])
+    early: dict[str, Any] = {}
+
+    def paint_early(volume: upload.ViewerNifti, vid: str) -> bool:
+        if st.session_state.get("viewer_mode", INTERACTIVE) != INTERACTIVE or not viewport.available():
+            return False
+        with top[0]:
+            _mark("viewport call")
+            early["report"] = viewport.viewport(
+                volume.data, vid, volume.affine, None, "none", [], None, None, 0.4, volume_name=volume.name
+            )
+        return True
+
+    with head:
+        loaded = input_section(info, early=paint_early)
     if loaded is None:
         return
-    warnings = trust_section(info, loaded)
-    result = model_section(info, loaded)
+    with head:
+        warnings = trust_section(info, loaded)
+        result = model_section(info, loaded)
     stored = st.session_state.get("result") if result is not None else None
-    top = st.columns([2, 1])
     second = current_second(loaded) if stored is not None else None
     with top[0]:  # drawn first: the viewport's report (the user's edits) feeds the panels beside it
-        reported = viewer(loaded, stored, info, second)
+        reported = viewer(loaded, stored, info, second, early or None)
     with top[1]:
         metadata_panel(loaded)
         if stored is not None:
@@ -717,6 +844,7 @@ def main() -> None:
                 corrections_panel(info, loaded, stored, reported)
                 compare_panel(info, loaded, stored, second)
     st.caption("Research use only; not for clinical decisions.")
+    _mark("script end")
 
 
 main()

@@ -8,6 +8,7 @@ that holds several series is listed first so the user can choose one.
 
 from __future__ import annotations
 
+import gzip
 import io
 import logging
 import os
@@ -235,6 +236,75 @@ def _headers(series: SeriesInfo, n_slices: int) -> list[Dataset] | None:
 
 def _choice(s: SeriesInfo) -> SeriesChoice:
     return SeriesChoice(s.uid, s.description, s.modality, s.n_files)
+
+
+# NIfTI data types NiiVue shows as stored: uint8, int16, int32, float32, float64, int8, uint16
+VIEWER_DTYPES = frozenset({2, 4, 8, 16, 64, 256, 512})
+SAME_MM = 1e-3  # sform and qform closer than this (at the volume's corners) are one geometry
+
+
+@dataclass(frozen=True)
+class ViewerNifti:
+    """An uploaded NIfTI file that the viewport can show as it is, without reading the voxels here."""
+
+    data: bytes  # the uploaded bytes (.nii or .nii.gz), unchanged
+    name: str  # "scan.nii.gz" or "scan.nii": how NiiVue is told to read them
+    affine: np.ndarray  # the affine medseg reads from the header (sform, else qform)
+    shape: tuple[int, int, int]
+
+
+def viewer_nifti(files: Sequence[UploadedBytes]) -> ViewerNifti | None:
+    """The upload itself as the viewport's volume, when NiiVue will place its voxels exactly where
+    medseg does; None otherwise (the page then sends the volume it has read, re-encoded).
+
+    Only the header is read (for .nii.gz, the first 348 decompressed bytes), so this takes
+    milliseconds whatever the file's size: the scan can be painted before it is read here. The
+    conditions are those under which the two readers agree: one single-file NIfTI-1 of a 3D image
+    in a data type NiiVue keeps as stored, and the same affine. medseg takes the sform when its code
+    is set, else the qform (:func:`medseg.datasets.checks.nifti_affine`); NiiVue 0.69 takes the
+    qform when its code is above the sform's, else the sform. They differ only when
+    0 < sform code < qform code, and then only if the two matrices place the corner voxels more than
+    :data:`SAME_MM` apart. A header medseg would refuse is not previewed either: the full read
+    reports it.
+    """
+    if len(files) != 1 or not files[0].name.lower().endswith(NIFTI_SUFFIXES):
+        return None
+    data = files[0].data
+    gz = data[:2] == b"\x1f\x8b"
+    try:
+        stream = gzip.GzipFile(fileobj=io.BytesIO(data)) if gz else io.BytesIO(data)
+        import nibabel as nib
+
+        hdr = nib.Nifti1Header.from_fileobj(stream, check=False)
+        shape = tuple(int(s) for s in hdr.get_data_shape())
+        if hdr["magic"].item() != b"n+1" or len(shape) != 3 or min(shape) < 2:
+            return None
+        if int(hdr["datatype"]) not in VIEWER_DTYPES:
+            return None
+        sform, scode = hdr.get_sform(coded=True)
+        qform, qcode = hdr.get_qform(coded=True)
+    except Exception:  # noqa: BLE001 - not previewed; the full read says what is wrong
+        return None
+    if scode > 0:
+        affine = np.asarray(sform, dtype=np.float64)
+        if 0 < scode < qcode:
+            corners = np.array(
+                [
+                    [i, j, k, 1]
+                    for i in (0, shape[0] - 1)
+                    for j in (0, shape[1] - 1)
+                    for k in (0, shape[2] - 1)
+                ]
+            )
+            if np.abs(corners @ (np.asarray(qform) - affine).T).max() > SAME_MM:
+                return None
+    elif qcode > 0:
+        affine = np.asarray(qform, dtype=np.float64)
+    else:
+        return None
+    if not np.all(np.isfinite(affine)) or abs(float(np.linalg.det(affine[:3, :3]))) < 1e-12:
+        return None
+    return ViewerNifti(data, "scan.nii.gz" if gz else "scan.nii", affine, shape)  # type: ignore[arg-type]
 
 
 def read_path(path: str | Path) -> MetaTensor:

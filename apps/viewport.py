@@ -5,10 +5,13 @@ ours, ``niivue.umd.js`` is NiiVue's prebuilt browser bundle, copied from the npm
 (``make vendor``, run by ``make setup``; pinned in the Makefile). Streamlit serves that folder
 itself, so the page fetches nothing from a CDN and no image leaves the machine.
 
-The scan goes to the browser as an uncompressed NIfTI-1 in its stored voxel order with its own
-affine (NiiVue reorients for display and reports world coordinates through that affine); the label
-map goes the same way, as uint8. Intensities that are whole numbers within int16 travel as int16
-(CT), anything else as float32.
+The scan goes to the browser as NIfTI-1 bytes in its stored voxel order with its own affine
+(NiiVue reorients for display and reports world coordinates through that affine). A NIfTI upload
+that NiiVue reads with medseg's geometry (:func:`medseg.apps.upload.viewer_nifti`) travels as the
+uploaded file itself, gzip and all, before the server has read its voxels: that is what lets the
+scan paint first. Any other scan (DICOM, other headers) is re-encoded once it is read: intensities
+that are whole numbers within int16 as int16 (CT), anything else as float32. The label map goes as
+uint8 NIfTI.
 """
 
 from __future__ import annotations
@@ -70,8 +73,8 @@ def viewport(
     labels: bytes | None,
     labels_id: str,
     labels_meta: list[dict[str, Any]],
-    level: float,
-    width: float,
+    level: float | None,
+    width: float | None,
     opacity: float,
     height: int = 600,
     key: str = "viewport",
@@ -79,6 +82,10 @@ def viewport(
     second: bytes | None = None,
     second_id: str = "none",
     second_name: str = "",
+    volume_name: str = "scan.nii",
+    side_by_side: bool = False,
+    second_filled: bytes | None = None,
+    first_name: str = "",
 ) -> dict[str, Any] | None:
     """Draw the viewport; returns what the browser reported ({"webgl": bool, ...}), None before it has.
 
@@ -87,11 +94,16 @@ def viewport(
     length, value], ...]}`` over the label map's stored i-fastest voxel order
     (:func:`medseg.apps.review.apply_edits`). ``second`` is another label map on the same grid
     (an uploaded mask or a second model's), drawn beside the first in one colour.
+    ``side_by_side`` with ``second_filled`` (that label map itself, uint8 NIfTI) shows two viewers
+    instead, left ``first_name``'s labels (``labels``), right ``second_name``'s, on the same scan,
+    their crosshairs, slices, zoom, layout and window linked (NiiVue's ``broadcastTo``).
 
     ``affine`` is the scan's (the one in its NIfTI bytes): the readout gives the file's own voxel
     indices, ``round(inv(affine) @ mm)``, not NiiVue's RAS-reordered ones.
     ``volume_id`` and ``labels_id`` name the bytes (:func:`digest`): the browser reloads a volume
     only when its id changes, so reruns that only move a control do not reload the scan.
+    ``volume_name`` ends in ``.nii.gz`` when ``volume`` is gzip-compressed. ``level`` and ``width``
+    None leave NiiVue's own robust window (the scan's first paint, before the page has read it).
     """
     return _component(
         volume=volume,
@@ -100,14 +112,18 @@ def viewport(
         labels=labels,
         labels_id=labels_id,
         label_info=labels_meta,
-        level=float(level),
-        width=float(width),
+        volume_name=volume_name,
+        level=None if level is None else float(level),
+        width=None if width is None else float(width),
         opacity=float(opacity),
         height=int(height),
         editable=bool(editable),
         second=second,
         second_id=second_id,
         second_name=second_name,
+        side_by_side=bool(side_by_side and second_filled is not None),
+        second_filled=second_filled,
+        first_name=first_name,
         key=key,
         default=None,
     )

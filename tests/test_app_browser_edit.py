@@ -119,21 +119,26 @@ def seg_volume(
     return out
 
 
-def running(driver) -> bool:
-    return bool(
-        driver.find_elements(
-            By.CSS_SELECTOR,
-            "[data-testid='stStatusWidgetRunningIcon'], [data-testid='stStatusWidgetRunningManIcon']",
-        )
+def script_state(driver) -> str:
+    """The page's script-run state as Streamlit's frontend keeps it on its root element
+    (``data-test-script-state``: running, rerunRequested, notRunning, ...), updated at once.
+
+    Not the "running" icon in the toolbar: the frontend shows it only once a run has lasted 500 ms,
+    so a run that has just started (or been requested) looks idle.
+    """
+    return driver.find_element(By.CSS_SELECTOR, "[data-testid='stApp']").get_attribute(
+        "data-test-script-state"
     )
 
 
-def wait_idle(driver) -> None:
-    """Until the page's script run has finished (twice in a row, a moment apart): a download button
-    drawn by an earlier run would still hold that run's file."""
-    for _ in range(2):
-        WebDriverWait(driver, RESULT_TIMEOUT).until(lambda d: not running(d))
-        time.sleep(0.5)
+def wait_processed(driver, text: str) -> None:
+    """Until ``text``, written by one particular script run, is on the page and that run has ended.
+
+    The text must name that run's input unambiguously (here the edit's step number): a download
+    button drawn by an earlier run still holds that run's file, and is replaced under the click.
+    """
+    WebDriverWait(driver, RESULT_TIMEOUT).until(lambda d: text in body_text(d))
+    WebDriverWait(driver, RESULT_TIMEOUT).until(lambda d: script_state(d) == "notRunning")
 
 
 def stored_voxel(view: Viewport, x: float, y: float) -> np.ndarray:
@@ -231,8 +236,12 @@ def test_edit_and_export_round_trip(server, browser, seg_run, seg_data, tmp_path
             "return [n, Array.from(lab.permRAS)];"
         )
         assert mismatch[0] == 0, mismatch
-        wait.until(lambda d: f"{after_undo['changed']} voxels differ from tiny-seg" in body_text(d))
-        wait_idle(browser)
+        # the run that took the undo (step 4) has ended: its caption names the step; the erase
+        # (step 2) left the same count, so the count alone could be an earlier run's page
+        wait_processed(
+            browser,
+            f"{after_undo['changed']} voxels differ from tiny-seg's mask (after {after_undo['seq']} edit steps",
+        )
         click_button(browser, "Download corrected DICOM-SEG")
         click_button(browser, "Download corrected mask")
         fixed_path = downloaded(downloads, "anon-tiny-seg-corrected-mask.nii.gz")
@@ -249,7 +258,8 @@ def test_edit_and_export_round_trip(server, browser, seg_run, seg_data, tmp_path
             )
         )
         browser.find_elements(By.CSS_SELECTOR, "input[type=file]")[1].send_keys(str(fixed_path))
-        wait.until(lambda d: "Shown in cyan" in body_text(d))
+        # the caption comes before the Dice table in the same run: wait for that run to end
+        wait_processed(browser, f"Shown in cyan beside tiny-seg's mask: {fixed_path.name}")
         view.wait_volumes(3)
         time.sleep(0.5)
         page = body_text(browser)

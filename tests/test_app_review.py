@@ -115,5 +115,8 @@ def test_two_models_side_by_side(two_models, seg_run, second_run, case, monkeypa
     assert (first != second).any()
     rows = dice_rows(at)
     check_dice(rows, first, second, load_bundle(seg_run.run_dir).labels)
-    assert "Shown in cyan beside tiny-seg's mask: tiny-seg-b" in page_text(at)
+    # another model's mask gets its own viewer beside the first by default; edges on request
+    assert "Shown in a second viewer to the right of tiny-seg's" in page_text(at)
     assert rows["organ"]["tiny-seg-b voxels"] == int((second == 1).sum())
+    at.radio(key="second_view_model").set_value("As cyan edges on the model's view").run()
+    assert "Shown in cyan beside tiny-seg's mask: tiny-seg-b" in page_text(at)

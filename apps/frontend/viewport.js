@@ -14,6 +14,9 @@
     // editing: the brush and eraser paint NiiVue's drawing layer, loaded from the model's label map
     tool: null, editing: false, labelOrig: null, luts: null, editSeq: 0, edits: null,
     secondId: null, secondName: "",
+    // side by side: a second NiiVue on the same scan with the second model's labels, crosshair linked
+    nv2: null, sideId: null,
+    timeline: {}, // wall-clock ms of the last new scan's steps: message in, parsed, added, drawn (the benchmark reads it)
   };
   window.medsegViewport = state; // read by the browser tests and the benchmark
 
@@ -96,6 +99,12 @@
     }
     nv.overlayOutlineWidth = state.outline ? 1 : 0;
     nv.updateGLVolume();
+    const nv2 = state.nv2;
+    if (nv2 && state.sideId && nv2.volumes.length > 1) {
+      nv2.volumes[1].setColormapLabel(labelLut());
+      nv2.overlayOutlineWidth = nv.overlayOutlineWidth;
+      nv2.updateGLVolume();
+    }
   }
 
   // NiiVue's own mapping (function iD in niivue.umd.js 0.69.0, used by loadDrawing): stored voxel
@@ -221,6 +230,7 @@
 
   function setLayout(name) {
     state.nv.setSliceType(SLICE[name]);
+    if (state.nv2) state.nv2.setSliceType(SLICE[name]);
     for (const b of document.querySelectorAll("#bar [data-layout]")) b.classList.toggle("on", b.dataset.layout === name);
   }
 
@@ -230,10 +240,13 @@
   }
 
   function setWindow(level, width) {
-    const v = state.nv.volumes[0];
-    v.cal_min = level - width / 2;
-    v.cal_max = level + width / 2;
-    state.nv.updateGLVolume();
+    for (const nv of [state.nv, state.sideId ? state.nv2 : null]) {
+      if (!nv || !nv.volumes.length) continue;
+      const v = nv.volumes[0];
+      v.cal_min = level - width / 2;
+      v.cal_max = level + width / 2;
+      nv.updateGLVolume();
+    }
   }
 
   function step(delta) {
@@ -248,7 +261,7 @@
     document.getElementById("zoomout").addEventListener("click", () => zoom(0.8));
     document.getElementById("reset").addEventListener("click", () => {
       state.nv.setPan2Dxyzmm([0, 0, 0, 1]);
-      setWindow(state.lastArgs.level, state.lastArgs.width);
+      if (state.lastArgs.level !== null && state.lastArgs.width !== null) setWindow(state.lastArgs.level, state.lastArgs.width);
     });
     const outline = document.getElementById("outline");
     outline.addEventListener("click", () => {
@@ -279,9 +292,8 @@
     }, true);
   }
 
-  async function init() {
-    const canvas = document.getElementById("gl");
-    const nv = new niivue.Niivue({
+  function options() {
+    return {
       backColor: [0, 0, 0, 1],
       crosshairColor: [1, 1, 0, 1],
       isRadiologicalConvention: true,
@@ -294,7 +306,12 @@
       isForceMouseClickToVoxelCenters: true, // the crosshair sits on a voxel: its mm is affine × voxel
       isResizeCanvas: true,
       loadingText: "loading the scan…",
-    });
+    };
+  }
+
+  async function init() {
+    const canvas = document.getElementById("gl");
+    const nv = new niivue.Niivue(options());
     await nv.attachToCanvas(canvas);
     nv.onLocationChange = showLocation;
     nv.onDrawingChanged = (action) => { if (action === "draw" || action === "undo") syncEdits(); };
@@ -313,6 +330,45 @@
     nv.setSliceType(SLICE.multi);
     state.nv = nv;
     state.ready = true;
+  }
+
+  // Both viewers follow each other: crosshair (hence slices), zoom and pan, layout, window and the
+  // 3D view. NiiVue passes a change on from the viewer that has the focus (the one clicked).
+  const SYNC = { "2d": true, "3d": true, crosshair: true, zoomPan: true, sliceType: true, cal_min: true, cal_max: true };
+
+  async function sideBySide(args) {
+    const want = args.side_by_side && args.second_filled ? `${args.volume_id}/${args.second_id}` : null;
+    if (want === state.sideId) return;
+    const nv = state.nv;
+    document.getElementById("pane2").style.display = want ? "block" : "none";
+    for (const id of ["title1", "title2"]) document.getElementById(id).style.display = want ? "block" : "none";
+    if (!want) {
+      nv.broadcastTo([]);
+      state.sideId = null;
+      nv.resizeListener();
+      return;
+    }
+    if (!state.nv2) {
+      state.nv2 = new niivue.Niivue(options());
+      await state.nv2.attachToCanvas(document.getElementById("gl2"));
+    }
+    const nv2 = state.nv2;
+    while (nv2.volumes.length) nv2.removeVolume(nv2.volumes[nv2.volumes.length - 1]);
+    const name = args.volume_name || "scan.nii";
+    nv2.addVolume(await niivue.NVImage.loadFromUrl({ url: name, name: name, buffer: arrayBuffer(args.volume) }));
+    nv2.addVolume(await niivue.NVImage.loadFromUrl({ url: "second.nii", name: "second.nii", buffer: arrayBuffer(args.second_filled) }));
+    nv2.volumes[0].cal_min = nv.volumes[0].cal_min;
+    nv2.volumes[0].cal_max = nv.volumes[0].cal_max;
+    nv2.setSliceType(nv.opts.sliceType);
+    nv2.scene.crosshairPos = nv2.mm2frac(nv.frac2mm(nv.scene.crosshairPos));
+    nv.broadcastTo([nv2], SYNC);
+    nv2.broadcastTo([nv], SYNC);
+    nv2.onLocationChange = (data) => { state.location2 = data; };
+    document.getElementById("title1").textContent = args.first_name || "model";
+    document.getElementById("title2").textContent = args.second_name || "second model";
+    state.sideId = want;
+    nv.resizeListener();
+    applyLabels();
   }
 
   function noWebGL(err) {
@@ -343,9 +399,14 @@
     const nv = state.nv;
     state.affine = args.affine;
     if (args.volume_id !== state.volumeId) {
+      const tl = { message: state.messageAt, bytes: args.volume.byteLength };
       while (nv.volumes.length) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
-      const img = await niivue.NVImage.loadFromUrl({ url: "scan.nii", name: "scan.nii", buffer: arrayBuffer(args.volume) });
+      const name = args.volume_name || "scan.nii"; // .nii.gz: the uploaded file itself, NiiVue gunzips it
+      const img = await niivue.NVImage.loadFromUrl({ url: name, name: name, buffer: arrayBuffer(args.volume) });
+      tl.parsed = Date.now();
       nv.addVolume(img);
+      tl.added = Date.now();
+      state.timeline = tl;
       state.volumeId = args.volume_id;
       state.newVolume = true;
       state.labelsId = null;
@@ -383,17 +444,21 @@
       state.labelsId = args.labels_id;
       state.secondId = secondId;
     }
+    await sideBySide(args);
     state.editable = !!(args.editable && args.labels);
     document.getElementById("edit").style.display = state.editable ? "inline" : "none";
     const windowKey = `${args.level}/${args.width}`;
-    if (windowKey !== state.windowKey) { // a new display preset from the page; drags change it in between
+    // a new display preset from the page (drags change it in between); none yet: NiiVue's own window
+    if (windowKey !== state.windowKey && args.level !== null && args.width !== null) {
       setWindow(args.level, args.width);
       state.windowKey = windowKey;
     }
     nv.drawScene();
+    if (state.sideId) state.nv2.drawScene();
     state.renderedAt = Date.now();
     if (state.newVolume) { // first paint of this scan (the benchmark reads it)
       state.loadedAt = state.renderedAt;
+      state.timeline.drawn = state.renderedAt;
       state.newVolume = false;
     }
     fitHeight();
@@ -402,6 +467,7 @@
   window.addEventListener("message", (event) => {
     const data = event.data || {};
     if (data.type === "streamlit:render") {
+      state.messageAt = Date.now();
       queue = queue.then(() => render(data.args)).catch((err) => {
         state.error = String(err);
         document.getElementById("readout").textContent = "The viewer could not show this scan: " + state.error;
