@@ -10,8 +10,11 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from selenium import webdriver
@@ -71,6 +74,35 @@ CHROME_ARGS = (
     "--use-angle=swiftshader",
     "--enable-unsafe-swiftshader",
 )
+
+
+@contextmanager
+def serve_app(runs: Path, log: Path) -> Iterator[str]:
+    """``medseg app`` (the CLI) serving ``runs``; yields its URL. On exit it is stopped with SIGTERM,
+    which it must pass on to its Streamlit server: a server that outlives it fails the test."""
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "medseg", "app", "--runs", str(runs), "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://localhost:{port}"
+    children: list[int] = []
+    try:
+        wait_healthy(url, proc, log)
+        children = child_pids(proc.pid)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    deadline = time.time() + 10
+    while any(alive(c) for c in children) and time.time() < deadline:
+        time.sleep(0.2)
+    assert children and not any(alive(c) for c in children), "the Streamlit server outlived medseg app"
 
 
 def chrome(downloads: Path) -> webdriver.Chrome:

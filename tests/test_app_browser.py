@@ -12,8 +12,6 @@ the case's and the model's name. Screenshots go to the test's tmp folder and tes
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,15 +28,7 @@ from medseg.bundle import load_bundle
 from medseg.datasets.decathlon import load_dataset
 from medseg.datasets.dicom import write_dicom_series
 from medseg.infer import label_volumes, load_image, predict
-from tests.browser import (
-    RESULT_TIMEOUT,
-    Viewport,
-    alive,
-    child_pids,
-    chrome,
-    free_port,
-    wait_healthy,
-)
+from tests.browser import RESULT_TIMEOUT, Viewport, chrome, serve_app
 
 
 @pytest.fixture
@@ -46,30 +36,8 @@ def server(seg_run, tmp_path: Path):
     """``medseg app`` (the CLI) serving a runs folder that holds the tiny segmentation model."""
     runs = tmp_path / "runs"
     shutil.copytree(seg_run.run_dir / "bundle", runs / "tiny-seg" / "bundle")
-    port = free_port()
-    log = tmp_path / "app.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "medseg", "app", "--runs", str(runs), "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://localhost:{port}"
-    children: list[int] = []
-    try:
-        wait_healthy(url, proc, log)
-        children = child_pids(proc.pid)
+    with serve_app(runs, tmp_path / "app.log") as url:
         yield url
-    finally:
-        proc.terminate()  # SIGTERM: medseg app passes it on to its Streamlit server
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    deadline = time.time() + 10
-    while any(alive(c) for c in children) and time.time() < deadline:
-        time.sleep(0.2)
-    assert children and not any(alive(c) for c in children), "the Streamlit server outlived medseg app"
 
 
 @pytest.fixture

@@ -20,8 +20,6 @@ from __future__ import annotations
 import base64
 import io
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,7 +33,7 @@ from medseg.bundle import load_bundle
 from medseg.datasets.decathlon import load_dataset
 from medseg.infer import load_image, predict
 from tests import test_app_browser as app_browser
-from tests.browser import RESULT_TIMEOUT, Viewport, alive, child_pids, free_port, wait_healthy
+from tests.browser import RESULT_TIMEOUT, Viewport, serve_app
 from tests.test_app_browser import body_text, click_button
 from tests.test_app_review import second_run  # noqa: F401 - the second model (fixture)
 
@@ -50,29 +48,8 @@ def two_model_server(seg_run, second_run, tmp_path: Path):  # noqa: F811 - the f
     runs = tmp_path / "runs"
     for run in (seg_run, second_run):
         shutil.copytree(run.run_dir / "bundle", runs / run.run_dir.name / "bundle")
-    port, log = free_port(), tmp_path / "app.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "medseg", "app", "--runs", str(runs), "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://localhost:{port}"
-    children: list[int] = []
-    try:
-        wait_healthy(url, proc, log)
-        children = child_pids(proc.pid)
+    with serve_app(runs, tmp_path / "app.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    deadline = time.time() + 10
-    while any(alive(c) for c in children) and time.time() < deadline:
-        time.sleep(0.2)
-    assert children and not any(alive(c) for c in children), "the Streamlit server outlived medseg app"
 
 
 SIDE_READY = (

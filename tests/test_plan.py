@@ -202,9 +202,9 @@ def test_plan_writes_a_trainable_config_and_verify_holds(seg_data: Path, tmp_pat
     for a in range(3):
         bigger = list(cfg.transforms.patch)
         bigger[a] += div
-        assert mm.total(p.params, cfg.train.batch_size * cfg.transforms.num_samples * math.prod(bigger)) > planner.SAFETY * budget or (
-            bigger[a] > math.ceil(p.fingerprint["median_shape"][a] / div) * div
-        )
+        assert mm.total(
+            p.params, cfg.train.batch_size * cfg.transforms.num_samples * math.prod(bigger)
+        ) > planner.SAFETY * budget or (bigger[a] > math.ceil(p.fingerprint["median_shape"][a] / div) * div)
     v = planner.verify(p)
     assert v["within_budget"], planner.format_verify(v)
     assert abs(v["error"]) <= 0.15, planner.format_verify(v)

@@ -32,14 +32,13 @@ import sys
 import horovod.torch as hvd
 import torch
 
+# the same layers, gradients and byte helpers as the flat scheme's test (this folder is on sys.path)
+from compressed_allreduce import LARGE, SHAPES, SMALL, chunk_sizes, enc_bytes, inputs
+
 from medseg.distributed.channel import Channel
 from medseg.distributed.collectives import HierarchicalCompressedAllreduce
 from medseg.distributed.compression import DEFAULT_CLIP, decode, encode
 
-# large layers (numel >= 4096, not divisible by 2, 3 or 4) and small ones (fused, float32)
-LARGE = {"conv1.weight": (5003,), "conv2.weight": (7, 11, 13, 9), "fc.weight": (8191,), "head": (3, 4099)}
-SMALL = {"conv1.bias": (10,), "norm.weight": (3, 3, 3, 3), "emb": (4095,)}
-SHAPES = {**LARGE, **SMALL}
 BITS, STEPS = 4, 24
 
 failures = 0
@@ -55,27 +54,6 @@ def check(channel: Channel, name: str, ok: bool, detail: str = "") -> None:
         failures += 1
     if channel.rank == 0:
         print(f"{'PASS' if all(everyone) else 'FAIL'} {name} (N={channel.size}) {detail}", flush=True)
-
-
-def inputs(rank: int, step: int) -> dict[str, torch.Tensor]:
-    """Deterministic gradients of ``rank`` at ``step``; heavier tails and larger scale on odd ranks."""
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    out = {}
-    for k, shape in SHAPES.items():
-        x = torch.randn(shape, generator=g) * (1 + rank)
-        if rank % 2:
-            x = x * torch.rand(shape, generator=g).add(0.05).reciprocal().sqrt()
-        out[k] = x + 0.1 * step
-    return out
-
-
-def chunk_sizes(numel: int, n: int) -> list[int]:
-    q, r = divmod(numel, n)
-    return [q + (1 if j < r else 0) for j in range(n)]
-
-
-def enc_bytes(numel: int, bits: int) -> int:
-    return 4 + math.ceil(numel * bits / 8)
 
 
 def ring(numel: int, n: int) -> float:
