@@ -318,15 +318,10 @@ def test_a_cut_site_stops_the_job_naming_it_and_resume_continues(tmp_path: Path)
     assert leftovers() == []
 
 
-@needs_host
-def test_a_site_cut_mid_epoch_is_left_out_and_the_job_finishes_with_the_others(tmp_path: Path) -> None:
-    """Two hospitals, each with its own data; site b's link is cut after the first checkpoint. With
-    --max-restarts 1 the launcher names site b, restarts from the last checkpoint with site a
-    alone and the job finishes every epoch: the work lost is at most the epoch that was running."""
-    pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup` (scripts/build_horovod.sh)")
-    from medseg.checkpoint import load_checkpoint
+def _two_hospitals(tmp_path: Path, name: str, epochs: int) -> tuple[Path, Path]:
+    """A gssp job config for sites a and b (one rank each), each with its own 6 cases; returns the
+    config file and the run folder."""
     from medseg.datasets.synthetic import make_seg_dataset
-    from medseg.runlog import read_metrics
 
     dirs = {
         s: make_seg_dataset(tmp_path / s, n_train=6, n_test=0, seed=i, size=32) for i, s in enumerate("ab")
@@ -334,17 +329,42 @@ def test_a_site_cut_mid_epoch_is_left_out_and_the_job_finishes_with_the_others(t
     cfg = tiny_seg_config(
         tmp_path / "unused",
         tmp_path / "runs",
-        name="drop",
-        epochs=8,
+        name=name,
+        epochs=epochs,
         batch_size=1,
         threads=1,
         scheduler="none",
     ).to_dict()
     cfg["dist"].update({"sync": "gssp", "staleness": 1, "timeout_s": 15, "profile_steps": 2})
     cfg["sites"] = {s: {"dir": str(d), "host": f"198.18.{i + 1}.1"} for i, (s, d) in enumerate(dirs.items())}
-    config = tmp_path / "drop.yaml"
+    config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    run = tmp_path / "runs" / "drop"
+    return config, tmp_path / "runs" / name
+
+
+def _site_ranks(tb: sites.Testbed, name: str) -> list[int]:
+    """PIDs of the training processes started in a site (read from its CPU cgroup and /proc)."""
+    out = []
+    for line in (tb.site(name).cgroup / "cgroup.procs").read_text().split():
+        try:
+            cmd = Path(f"/proc/{line}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"medseg" in cmd and b"train" in cmd:
+            out.append(int(line))
+    return out
+
+
+@needs_host
+def test_a_site_cut_mid_epoch_is_left_out_and_the_job_finishes_with_the_others(tmp_path: Path) -> None:
+    """Two hospitals, each with its own data; site b's link is cut after the first checkpoint. With
+    --max-restarts 1 the launcher names site b, restarts from the last checkpoint with site a
+    alone and the job finishes every epoch: the work lost is at most the epoch that was running."""
+    pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup` (scripts/build_horovod.sh)")
+    from medseg.checkpoint import load_checkpoint
+    from medseg.runlog import read_metrics
+
+    config, run = _two_hospitals(tmp_path, "drop", epochs=8)
     with sites.testbed(sites="a:1,b:1", wan="50mbit:5ms", probe=False) as tb:
         env = tb.launcher_env()
         argv = [str(BIN / "medseg"), "train", "--config", str(config), "--np", "2", "--hosts", "a:1,b:1"]
@@ -373,5 +393,53 @@ def test_a_site_cut_mid_epoch_is_left_out_and_the_job_finishes_with_the_others(t
         done_at_cut,
     )  # restarted from the checkpoint there at the cut (or later)
     assert all(set(r["sites"]) == {"a", "b"} for r in records if r["epoch"] < resumed)
+    assert (run / "bundle").is_dir()
+    assert leftovers() == []
+
+
+@needs_host
+def test_a_dropped_site_that_answers_again_rejoins_at_the_next_restart(tmp_path: Path) -> None:
+    """Site b's link is cut: restart 1 goes on with site a alone. b's link comes back; then site a's
+    ranks are killed. Restart 2 takes b back (its ssh port answers again) and leaves a out, and the
+    job finishes every epoch with site b."""
+    pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup` (scripts/build_horovod.sh)")
+    from medseg.runlog import read_metrics
+
+    config, run = _two_hospitals(tmp_path, "rejoin", epochs=14)
+    metrics = run / "metrics.jsonl"
+
+    def sites_trained() -> list[set[str]]:
+        return [set(r["sites"]) for r in read_metrics(metrics)] if metrics.is_file() else []
+
+    with sites.testbed(sites="a:1,b:1", wan="50mbit:5ms", probe=False) as tb:
+        env = tb.launcher_env()
+        argv = [str(BIN / "medseg"), "train", "--config", str(config), "--np", "2", "--hosts", "a:1,b:1"]
+        argv += ["--max-restarts", "2", "--min-sites", "1"]
+        job = _start_job(tb, argv, env)
+        try:
+            deadline = time.time() + 900
+            while not (run / "checkpoints" / "last.pt").exists():
+                assert job.poll() is None and time.time() < deadline, "no checkpoint appeared"
+                time.sleep(0.5)
+            tb.cut("b")
+            while {"a"} not in sites_trained():  # restart 1: an epoch with site a alone
+                assert job.poll() is None and time.time() < deadline, "no epoch of site a alone"
+                time.sleep(0.5)
+            tb.restore("b")
+            ranks = _site_ranks(tb, "a")
+            assert ranks, "no training process found in site a's cgroup"
+            for pid in ranks:
+                os.kill(pid, signal.SIGKILL)
+            out, err = job.communicate(timeout=500)
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    (tmp_path / "job.log").write_text(out + err)
+    assert job.returncode == 0, err[-3000:]
+    assert "restart 2 of 2" in err and "with sites b (back: b)" in err, err[-3000:]
+    trained = sites_trained()
+    assert [r["epoch"] for r in read_metrics(metrics)] == list(range(1, 15))
+    assert trained[-1] == {"b"} and {"a"} in trained, trained  # b alone at the end: it came back
     assert (run / "bundle").is_dir()
     assert leftovers() == []
