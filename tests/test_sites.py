@@ -342,6 +342,26 @@ def _two_hospitals(tmp_path: Path, name: str, epochs: int) -> tuple[Path, Path]:
     return config, tmp_path / "runs" / name
 
 
+def _start_with_restarts(
+    tb: sites.Testbed, config: Path, run: Path, restarts: int
+) -> tuple[subprocess.Popen, float]:
+    """Launch the two-hospital job with ``--max-restarts restarts --min-sites 1`` and wait for its
+    first checkpoint; returns the job and the deadline (15 min) for the rest of the test."""
+    argv = [str(BIN / "medseg"), "train", "--config", str(config), "--np", "2", "--hosts", "a:1,b:1"]
+    argv += ["--max-restarts", str(restarts), "--min-sites", "1"]
+    job = _start_job(tb, argv, tb.launcher_env())
+    deadline = time.time() + 900
+    try:
+        while not (run / "checkpoints" / "last.pt").exists():
+            assert job.poll() is None and time.time() < deadline, "no checkpoint appeared"
+            time.sleep(0.5)
+    except BaseException:
+        job.kill()
+        job.wait()
+        raise
+    return job, deadline
+
+
 def _site_ranks(tb: sites.Testbed, name: str) -> list[int]:
     """PIDs of the training processes started in a site (read from its CPU cgroup and /proc)."""
     out = []
@@ -366,15 +386,8 @@ def test_a_site_cut_mid_epoch_is_left_out_and_the_job_finishes_with_the_others(t
 
     config, run = _two_hospitals(tmp_path, "drop", epochs=8)
     with sites.testbed(sites="a:1,b:1", wan="50mbit:5ms", probe=False) as tb:
-        env = tb.launcher_env()
-        argv = [str(BIN / "medseg"), "train", "--config", str(config), "--np", "2", "--hosts", "a:1,b:1"]
-        argv += ["--max-restarts", "1", "--min-sites", "1"]
-        job = _start_job(tb, argv, env)
+        job, deadline = _start_with_restarts(tb, config, run, restarts=1)
         try:
-            deadline = time.time() + 900
-            while not (run / "checkpoints" / "last.pt").exists():
-                assert job.poll() is None and time.time() < deadline, "no checkpoint appeared"
-                time.sleep(0.5)
             done_at_cut = load_checkpoint(run / "checkpoints" / "last.pt")["epoch"]
             tb.cut("b")
             out, err = job.communicate(timeout=500)
@@ -412,15 +425,8 @@ def test_a_dropped_site_that_answers_again_rejoins_at_the_next_restart(tmp_path:
         return [set(r["sites"]) for r in read_metrics(metrics)] if metrics.is_file() else []
 
     with sites.testbed(sites="a:1,b:1", wan="50mbit:5ms", probe=False) as tb:
-        env = tb.launcher_env()
-        argv = [str(BIN / "medseg"), "train", "--config", str(config), "--np", "2", "--hosts", "a:1,b:1"]
-        argv += ["--max-restarts", "2", "--min-sites", "1"]
-        job = _start_job(tb, argv, env)
+        job, deadline = _start_with_restarts(tb, config, run, restarts=2)
         try:
-            deadline = time.time() + 900
-            while not (run / "checkpoints" / "last.pt").exists():
-                assert job.poll() is None and time.time() < deadline, "no checkpoint appeared"
-                time.sleep(0.5)
             tb.cut("b")
             while {"a"} not in sites_trained():  # restart 1: an epoch with site a alone
                 assert job.poll() is None and time.time() < deadline, "no epoch of site a alone"
