@@ -294,25 +294,22 @@ class BulkSynchronous(SyncedOptimizer):
 
     def step(self) -> None:
         tic = time.perf_counter()
-        if self.hier is not None:
+        codes = self.hier if self.hier is not None else self.fixed
+        if codes is not None:
             grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.named}
-            averaged = self.hier(grads)
+            averaged = codes(grads)
             for n, p in self.named:
                 p.grad = averaged[n]
             self.base.step()
-            sent, wan = self.hier.last_bytes_sent, self.hier.last_wan_bytes
-        elif self.fixed is not None:
-            grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.named}
-            averaged = self.fixed(grads)
-            for n, p in self.named:
-                p.grad = averaged[n]
-            self.base.step()
-            sent = self.fixed.last_bytes_sent
-            parts = self.fixed.last_bytes
-            # ring allgather and ring allreduce cross when the successor is elsewhere; the alltoall in part
-            wan = parts["alltoall"] * self.alltoall_wan_share + (
-                parts["allgather"] + parts["allreduce"] if self.crosses else 0.0
-            )
+            sent = codes.last_bytes_sent
+            if self.hier is not None:
+                wan = self.hier.last_wan_bytes
+            else:
+                parts = self.fixed.last_bytes
+                # ring allgather and ring allreduce cross when the successor is elsewhere; the alltoall in part
+                wan = parts["alltoall"] * self.alltoall_wan_share + (
+                    parts["allgather"] + parts["allreduce"] if self.crosses else 0.0
+                )
         else:
             self.optimizer.step()
             sent = ring_allreduce_bytes(self.numel, self.elem, self.size) if self.size > 1 else 0
