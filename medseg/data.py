@@ -116,6 +116,21 @@ def read_dataset(cfg: Config, data_dir: str | None = None) -> tuple[DatasetInfo,
     return info, train_items, val_items
 
 
+def fill_disk_cache(cfg: Config) -> None:
+    """Load every case of ``cfg``'s split into its disk cache (``data.cache: disk``), training and
+    validation chains both, in this process; jobs started afterwards only read the cache."""
+    if cfg.data.cache != "disk":
+        raise ConfigError(f"fill_disk_cache needs data.cache: disk, not {cfg.data.cache!r}")
+    info, train_items, val_items = read_dataset(cfg)
+    train_chain, val_chain = (
+        (tf.seg_train(cfg), tf.seg_val(cfg))
+        if cfg.task == "segmentation"
+        else (tf.cls_train(cfg), tf.cls_val(cfg))
+    )
+    _build(cfg, train_items, train_chain, "train", info.root)
+    _build(cfg, val_items, val_chain, "val", info.root)
+
+
 def make_train_data(
     cfg: Config,
     session: LocalSession | None = None,

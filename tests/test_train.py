@@ -101,6 +101,20 @@ def test_disk_cache_keeps_geometry_and_trains(seg_data: Path, tmp_path: Path) ->
     assert isinstance(item["image"], MetaTensor) and item["image"].affine.shape == (4, 4)
 
 
+def test_a_filled_disk_cache_is_the_one_training_reads(seg_data: Path, tmp_path: Path) -> None:
+    from medseg.data import fill_disk_cache
+
+    cfg = tiny_seg_config(seg_data, tmp_path, name="shared", epochs=1)
+    shared = tmp_path / "shared-cache"
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache="disk", cache_dir=str(shared)))
+    fill_disk_cache(cfg)
+    filled = {p: p.stat().st_mtime_ns for p in shared.rglob("*.pt")}
+    assert len(filled) == 8  # 6 training and 2 validation cases
+    train(cfg, progress=False)
+    # training found every case in the cache: no file added, none written again
+    assert {p: p.stat().st_mtime_ns for p in shared.rglob("*.pt")} == filled
+
+
 def test_label_shape_mismatch_stops_training_before_it_starts(seg_data: Path, tmp_path: Path) -> None:
     import shutil
 
