@@ -299,7 +299,10 @@
       isRadiologicalConvention: true,
       isOrientationTextVisible: true,
       show3Dcrosshair: true,
-      multiplanarShowRender: 1, // always: three planes and the 3D render
+      // The multiplanar layout shows the three planes only: the 3D render is a ray cast per pixel,
+      // which in software WebGL costs several times the three slices together on every scroll or
+      // click frame. It has its own layout ("3D", key r).
+      multiplanarShowRender: 0,
       dragMode: 9, // right-drag: windowing (horizontal: width, vertical: level)
       // left: crosshair, right: windowing, middle: pan (NiiVue's DRAG_MODE numbers)
       mouseEventConfig: { leftButton: { primary: 8 }, rightButton: 9, centerButton: 3 },
@@ -336,9 +339,10 @@
   // 3D view. NiiVue passes a change on from the viewer that has the focus (the one clicked).
   const SYNC = { "2d": true, "3d": true, crosshair: true, zoomPan: true, sliceType: true, cal_min: true, cal_max: true };
 
+  // returns whether the viewers changed (shown, hidden or loaded)
   async function sideBySide(args) {
     const want = args.side_by_side && args.second_filled ? `${args.volume_id}/${args.second_id}` : null;
-    if (want === state.sideId) return;
+    if (want === state.sideId) return false;
     const nv = state.nv;
     document.getElementById("pane2").style.display = want ? "block" : "none";
     for (const id of ["title1", "title2"]) document.getElementById(id).style.display = want ? "block" : "none";
@@ -346,7 +350,7 @@
       nv.broadcastTo([]);
       state.sideId = null;
       nv.resizeListener();
-      return;
+      return true;
     }
     if (!state.nv2) {
       state.nv2 = new niivue.Niivue(options());
@@ -369,6 +373,7 @@
     state.sideId = want;
     nv.resizeListener();
     applyLabels();
+    return true;
   }
 
   function noWebGL(err) {
@@ -398,7 +403,11 @@
     if (state.error) return;
     const nv = state.nv;
     state.affine = args.affine;
+    // Streamlit sends the arguments again on every rerun of the page; a frame is drawn only when
+    // something in the viewport changed (NiiVue draws on its own after a volume or a setting).
+    let changed = false;
     if (args.volume_id !== state.volumeId) {
+      changed = true;
       const tl = { message: state.messageAt, bytes: args.volume.byteLength };
       while (nv.volumes.length) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
       const name = args.volume_name || "scan.nii"; // .nii.gz: the uploaded file itself, NiiVue gunzips it
@@ -414,6 +423,7 @@
     }
     const secondId = args.second_id || "none";
     if (args.labels_id !== state.labelsId || secondId !== state.secondId) {
+      changed = true;
       if (state.tool) setTool(state.tool); // the tool goes off while the overlays are replaced
       if (state.editing) nv.closeDrawing();
       while (nv.volumes.length > 1) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
@@ -444,7 +454,7 @@
       state.labelsId = args.labels_id;
       state.secondId = secondId;
     }
-    await sideBySide(args);
+    if (await sideBySide(args)) changed = true;
     state.editable = !!(args.editable && args.labels);
     document.getElementById("edit").style.display = state.editable ? "inline" : "none";
     const windowKey = `${args.level}/${args.width}`;
@@ -452,9 +462,12 @@
     if (windowKey !== state.windowKey && args.level !== null && args.width !== null) {
       setWindow(args.level, args.width);
       state.windowKey = windowKey;
+      changed = true;
     }
-    nv.drawScene();
-    if (state.sideId) state.nv2.drawScene();
+    if (changed) {
+      nv.drawScene();
+      if (state.sideId) state.nv2.drawScene();
+    }
     state.renderedAt = Date.now();
     if (state.newVolume) { // first paint of this scan (the benchmark reads it)
       state.loadedAt = state.renderedAt;
