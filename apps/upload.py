@@ -307,23 +307,27 @@ def viewer_nifti(files: Sequence[UploadedBytes]) -> ViewerNifti | None:
     return ViewerNifti(data, "scan.nii.gz" if gz else "scan.nii", affine, shape)  # type: ignore[arg-type]
 
 
-PREVIEW_VOXELS = 16 * 2**20  # larger scans are painted first from every n-th voxel
+PREVIEW_ABOVE = 16 * 2**20  # scans with more voxels are painted first from a preview
+PREVIEW_VOXELS = 4 * 2**20  # at most this many voxels in the preview
 
 
-def preview_nifti(volume: ViewerNifti, max_voxels: int = PREVIEW_VOXELS) -> tuple[ViewerNifti, int] | None:
+def preview_nifti(
+    volume: ViewerNifti, above: int = PREVIEW_ABOVE, max_voxels: int = PREVIEW_VOXELS
+) -> tuple[ViewerNifti, int] | None:
     """A reduced-resolution copy of a large upload for the viewport's first paint, and its step.
 
     Every ``step``-th voxel along each axis (the smallest step that leaves at most ``max_voxels``),
     stored values and scaling unchanged, as uncompressed NIfTI-1 whose affine is the upload's times
     the step: preview voxel (i, j, k) is the upload's voxel (step·i, step·j, step·k), at the same
     world position, with the same value. The browser builds its textures per voxel, so a step of 2
-    makes that work 8 times smaller. None when the scan is small enough to be sent as it is.
+    makes that work 8 times smaller, 3 27 times. None when the scan has at most ``above`` voxels
+    and is sent as it is.
     """
 
     def voxels(step: int) -> int:
         return int(np.prod([-(-s // step) for s in volume.shape]))
 
-    if voxels(1) <= max_voxels:
+    if voxels(1) <= above:
         return None
     step = 2
     while voxels(step) > max_voxels:

@@ -92,8 +92,8 @@ def test_preview_keeps_every_nth_voxel_at_its_world_position(tmp_path: Path, suf
     nib.save(img, path)
     full = viewer_nifti([UploadedBytes(path.name, path.read_bytes())])
     assert full is not None
-    assert preview_nifti(full, max_voxels=13 * 10 * 7) is None  # small enough: sent as it is
-    got = preview_nifti(full, max_voxels=7 * 5 * 4)  # step 2 leaves 7 x 5 x 4
+    assert preview_nifti(full, above=13 * 10 * 7, max_voxels=10) is None  # small enough: sent as it is
+    got = preview_nifti(full, above=100, max_voxels=7 * 5 * 4)  # step 2 leaves 7 x 5 x 4
     assert got is not None
     preview, step = got
     assert step == 2 and preview.shape == (7, 5, 4) and preview.name == "preview.nii"
@@ -107,4 +107,5 @@ def test_preview_keeps_every_nth_voxel_at_its_world_position(tmp_path: Path, suf
     )
     np.testing.assert_allclose(preview.affine, small.affine.numpy(), atol=1e-4)
     assert viewer_nifti([UploadedBytes("preview.nii", preview.data)]) is not None  # NiiVue reads it as medseg
-    assert preview_nifti(full, max_voxels=5 * 4 * 3 - 1)[1] == 4  # step 3 would leave 5 x 4 x 3
+    assert preview_nifti(full, above=100, max_voxels=5 * 4 * 3 - 1)[1] == 4  # step 3 would leave 5 x 4 x 3
+    assert preview_nifti(full) is None  # the page's thresholds: far larger scans only
