@@ -365,8 +365,9 @@ Per-step times include one WebDriver round trip, so they are upper bounds.
 |---|---|---|---|
 {table}
 
-Screenshots: `docs/viewer-multiplanar.png` (three planes, the 3D render, label overlay, readout,
-per-label controls), `docs/viewer-axial-outline.png` (single view, labels as outlines).
+Screenshots: `docs/viewer-multiplanar.png` (the three planes, label overlay, readout, per-label
+controls; the 3D render is its own layout), `docs/viewer-axial-outline.png` (single view, labels as
+outlines).
 """
 
 

@@ -318,7 +318,6 @@
     };
   }
 
-
   // NiiVue draws the whole canvas on each call of drawScene and then waits for the GPU
   // (gl.finish): a click calls it three times (press twice, release once), and adding a volume
   // blocks the page until its textures are built. With software WebGL each frame is expensive and
@@ -382,10 +381,9 @@
   // 3D view. NiiVue passes a change on from the viewer that has the focus (the one clicked).
   const SYNC = { "2d": true, "3d": true, crosshair: true, zoomPan: true, sliceType: true, cal_min: true, cal_max: true };
 
-  // returns whether the viewers changed (shown, hidden or loaded)
   async function sideBySide(args) {
     const want = args.side_by_side && args.second_filled ? `${args.volume_id}/${args.second_id}` : null;
-    if (want === state.sideId) return false;
+    if (want === state.sideId) return;
     const nv = state.nv;
     document.getElementById("pane2").style.display = want ? "block" : "none";
     for (const id of ["title1", "title2"]) document.getElementById(id).style.display = want ? "block" : "none";
@@ -393,7 +391,7 @@
       nv.broadcastTo([]);
       state.sideId = null;
       nv.resizeListener();
-      return true;
+      return;
     }
     if (!state.nv2) {
       state.nv2 = new niivue.Niivue(options());
@@ -421,7 +419,6 @@
     state.sideId = want;
     nv.resizeListener();
     applyLabels();
-    return true;
   }
 
   function noWebGL(err) {
@@ -437,6 +434,13 @@
   // NiiVue rebuilds the textures of all its volumes (the scan's, with the 3D render's gradients)
   // on every addVolume, removeVolume and updateGLVolume. ``batch`` makes the changes inside ``fn``
   // (synchronous) rebuild once, at the end, and only if ``fn`` returns true.
+  //
+  // The rebuild renders the textures slice by slice and asks after each slice whether the target
+  // is complete (gl.checkFramebufferStatus): in Chrome that question waits for the GPU process to
+  // finish all the work before it, so the page's thread is held for the whole rebuild. The targets
+  // are NiiVue's own RGBA texture layers, complete by construction; during the rebuild the
+  // question is answered without the round trip, the work is queued, and the thread is free while
+  // the GPU process builds (the next frame shows the result once it is done).
   function batch(nv, fn) {
     const update = nv.updateGLVolume;
     let changed = false;
@@ -446,7 +450,15 @@
     } finally {
       delete nv.updateGLVolume; // back to NiiVue's own method
     }
-    if (changed) update.call(nv);
+    if (changed) {
+      const gl = nv.gl;
+      gl.checkFramebufferStatus = () => gl.FRAMEBUFFER_COMPLETE;
+      try {
+        update.call(nv);
+      } finally {
+        delete gl.checkFramebufferStatus; // back to WebGL's own method
+      }
+    }
     return changed;
   }
 
@@ -482,6 +494,10 @@
     if (tl) tl.parsed = Date.now();
     const lab = newLabels && args.labels ? await loadNifti(args.labels, "labels.nii") : null;
     const sec = lab && args.second ? await loadNifti(args.second, "second.nii") : null;
+    // Building a scan's textures holds this thread, which the page around the viewport shares
+    // (same site, same renderer) for seconds in software WebGL: first let the page finish what it
+    // has to do (draw the Run button that came with this rerun), for at most half a second.
+    if (img || lab) await new Promise((resolve) => requestIdleCallback(resolve, { timeout: 500 }));
     batch(nv, () => {
       if (newVolume) {
         while (nv.volumes.length) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
