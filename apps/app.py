@@ -187,9 +187,11 @@ def _direct_volume(loaded: dict[str, Any], direct: upload.ViewerNifti | None, vi
 def input_section(info: ModelInfo, early: Any = None) -> dict[str, Any] | None:
     """Upload or demo case -> the loaded image in session state (loaded once per input).
 
-    ``early(volume, volume_id)`` is called with a NIfTI upload that the viewport can show as it is
-    (:func:`medseg.apps.upload.viewer_nifti`) before its voxels are read here: the scan paints
-    while the server reads it.
+    ``early(volume, volume_id, affine, step)`` is called with a NIfTI upload that the viewport can
+    show as it is (:func:`medseg.apps.upload.viewer_nifti`) before its voxels are read here: the
+    scan paints while the server reads it. A large one goes as a reduced-resolution preview
+    (:func:`medseg.apps.upload.preview_nifti`, every ``step``-th voxel; ``affine`` stays the
+    upload's, for the readout), and the page reruns once it is read to send the full scan.
     """
     mode = st.radio("Input", ["Upload", "Demo case"], horizontal=True, key="input_mode")
     loaded = st.session_state.get("loaded")
@@ -220,7 +222,11 @@ def input_section(info: ModelInfo, early: Any = None) -> dict[str, Any] | None:
                 _mark("read start")
                 direct = upload.viewer_nifti(pending["files"]) if early is not None and uid is None else None
                 vid = f"upload-{pending['id']}-{len(direct.data)}" if direct is not None else ""
-                painted = direct is not None and early(direct, vid)
+                # a large scan paints first at reduced resolution; the full one follows once read
+                preview = upload.preview_nifti(direct) if direct is not None else None
+                first, step = preview if preview is not None else (direct, 1)
+                first_id = f"{vid}-preview{step}" if preview is not None else vid
+                painted = direct is not None and early(first, first_id, direct.affine, step)
                 with st.spinner("Reading the upload…"):
                     try:
                         result = upload.read_upload(pending["files"], series_uid=uid)
@@ -241,8 +247,8 @@ def input_section(info: ModelInfo, early: Any = None) -> dict[str, Any] | None:
                     st.session_state["upload_files"] = {**pending, "files": []}
                 if st.session_state["loaded"]["image"] is None and series and uid is None:
                     st.rerun()
-                if painted and st.session_state["loaded"].get("nifti_id") != vid:
-                    st.rerun()  # refused, or read differently: the next run draws what was read
+                if painted and st.session_state["loaded"].get("nifti_id") != first_id:
+                    st.rerun()  # a preview, refused, or read differently: the next run draws what was read
     else:
         cases = demo_cases(
             info, extra=[p for p in os.environ.get("MEDSEG_APP_DEMO", "").split(os.pathsep) if p]
@@ -815,13 +821,23 @@ def main() -> None:
     top = st.columns([2, 1])
     early: dict[str, Any] = {}
 
-    def paint_early(volume: upload.ViewerNifti, vid: str) -> bool:
+    def paint_early(volume: upload.ViewerNifti, vid: str, affine: np.ndarray, step: int) -> bool:
         if st.session_state.get("viewer_mode", INTERACTIVE) != INTERACTIVE or not viewport.available():
             return False
         with top[0]:
             _mark("viewport call")
             early["report"] = viewport.viewport(
-                volume.data, vid, volume.affine, None, "none", [], None, None, 0.4, volume_name=volume.name
+                volume.data,
+                vid,
+                affine,
+                None,
+                "none",
+                [],
+                None,
+                None,
+                0.4,
+                volume_name=volume.name,
+                preview=step,
             )
         return True
 

@@ -86,6 +86,7 @@ def viewport(
     side_by_side: bool = False,
     second_filled: bytes | None = None,
     first_name: str = "",
+    preview: int = 1,
 ) -> dict[str, Any] | None:
     """Draw the viewport; returns what the browser reported ({"webgl": bool, ...}), None before it has.
 
@@ -104,6 +105,9 @@ def viewport(
     only when its id changes, so reruns that only move a control do not reload the scan.
     ``volume_name`` ends in ``.nii.gz`` when ``volume`` is gzip-compressed. ``level`` and ``width``
     None leave NiiVue's own robust window (the scan's first paint, before the page has read it).
+    ``preview`` > 1 says ``volume`` holds every ``preview``-th voxel of the scan (a large upload's
+    first paint; the full scan follows under another ``volume_id``); ``affine`` is then the full
+    scan's, so the readout gives the full scan's voxel indices.
     """
     return _component(
         volume=volume,
@@ -124,6 +128,7 @@ def viewport(
         side_by_side=bool(side_by_side and second_filled is not None),
         second_filled=second_filled,
         first_name=first_name,
+        preview=int(preview),
         key=key,
         default=None,
     )

@@ -8,7 +8,10 @@ DevTools Protocol) and measures:
 
 - first paint of a 512 x 512 x 300 CT in the viewport: from handing the file to the page's file
   input to the viewport's first drawn frame of that scan (the browser's clock and this process's
-  are the same machine's wall clock);
+  are the same machine's wall clock; "drawn" is when the GPU has finished the frame). A scan that
+  large is painted first as a reduced-resolution preview (1 voxel in n along each axis): that
+  frame counts as the first paint, and the time the full-resolution scan's first frame is drawn
+  is reported beside it;
 - slice scrolling: one wheel step on the axial tile, from dispatching the event to the crosshair
   having moved and the next animation frame drawn (``gl.finish()`` inside it), median over steps;
 - click-to-crosshair: a left click on the axial tile, to the same point;
@@ -165,7 +168,25 @@ def first_paint(driver, big: Path) -> float:
 
     WebDriverWait(driver, RESULT_TIMEOUT).until(painted)
     fp = view.js("return window.medsegViewport.loadedAt") / 1000 - t0
+    first_paint.preview = view.js("return window.medsegViewport.timeline.preview || 0")
     first_paint.breakdown = breakdown(t0, view)
+    if first_paint.preview:  # a reduced-resolution preview came first: wait for the full scan's frame
+
+        def full(_) -> bool:
+            try:
+                return bool(
+                    view.js("const t = window.medsegViewport.timeline; return !t.preview && !!t.drawn")
+                )
+            except TimeoutException:
+                return False
+
+        WebDriverWait(driver, RESULT_TIMEOUT).until(full)
+        first_paint.full_s = view.js("return window.medsegViewport.timeline.drawn") / 1000 - t0
+        for k, v in breakdown(t0, view).items():
+            if k.startswith("viewport"):
+                first_paint.breakdown[f"full: {k}"] = v
+    else:
+        first_paint.full_s = fp
     return fp
 
 
@@ -221,13 +242,16 @@ def run_bench(run: Path, steps: int, shots: Path | None, only_first_paint: bool 
             anchor = anchor_read(big)
             fp = first_paint(driver, big)
             print(
-                f"first paint of 512x512x300 {fp:.1f} s (anchor: nibabel reads it in {anchor:.1f} s)",
+                f"first paint of 512x512x300 {fp:.1f} s (preview step {first_paint.preview or 'none'}; "
+                f"full resolution drawn at {first_paint.full_s:.1f} s; anchor: nibabel reads it in {anchor:.1f} s)",
                 flush=True,
             )
             return {
                 "anchor_read_s": anchor,
                 "first_paint_per_anchor": fp / anchor,
                 "first_paint_s": fp,
+                "first_paint_preview_step": first_paint.preview,
+                "full_resolution_s": first_paint.full_s,
                 "first_paint_mb": big.stat().st_size / 2**20,
                 "first_paint_breakdown": first_paint.breakdown,
             }
@@ -266,7 +290,11 @@ def run_bench(run: Path, steps: int, shots: Path | None, only_first_paint: bool 
         # 512 x 512 x 300: from the file input to the viewport's first frame of it
         anchor = anchor_read(big)
         first_paint_s = first_paint(driver, big)
-        print(f"first paint of 512x512x300 {first_paint_s:.1f} s (anchor {anchor:.1f} s)", flush=True)
+        print(
+            f"first paint of 512x512x300 {first_paint_s:.1f} s (preview step {first_paint.preview or 'none'}; "
+            f"full resolution drawn at {first_paint.full_s:.1f} s; anchor {anchor:.1f} s)",
+            flush=True,
+        )
     finally:
         if driver is not None:
             driver.quit()
@@ -276,6 +304,8 @@ def run_bench(run: Path, steps: int, shots: Path | None, only_first_paint: bool 
         "segment_s": segment_s,
         "segment_upload_s": t_upload,
         "first_paint_s": first_paint_s,
+        "first_paint_preview_step": first_paint.preview,
+        "full_resolution_s": first_paint.full_s,
         "anchor_read_s": anchor,
         "first_paint_per_anchor": first_paint_s / anchor,
         "first_paint_breakdown": first_paint.breakdown,
@@ -305,7 +335,13 @@ def markdown_section(r: dict) -> str:
             m["click_ms"] / TARGETS["click_ms"],
         ),
         (
-            f"first paint of a 512 × 512 × 300 CT after upload ({m['first_paint_mb']:.0f} MB .nii.gz)",
+            f"first paint of a 512 × 512 × 300 CT after upload ({m['first_paint_mb']:.0f} MB .nii.gz)"
+            + (
+                f": a preview, 1 voxel in {m['first_paint_preview_step']} along each axis; "
+                f"the full-resolution scan drawn at {m['full_resolution_s']:.1f} s"
+                if m.get("first_paint_preview_step")
+                else ": the full-resolution scan"
+            ),
             f"{m['first_paint_s']:.1f} s",
             f"≤ {TARGETS['first_paint_s']:.0f} s",
             m["first_paint_s"] / TARGETS["first_paint_s"],
@@ -329,8 +365,9 @@ Per-step times include one WebDriver round trip, so they are upper bounds.
 |---|---|---|---|
 {table}
 
-Screenshots: `docs/viewer-multiplanar.png` (three planes, the 3D render, label overlay, readout,
-per-label controls), `docs/viewer-axial-outline.png` (single view, labels as outlines).
+Screenshots: `docs/viewer-multiplanar.png` (the three planes, label overlay, readout, per-label
+controls; the 3D render is its own layout), `docs/viewer-axial-outline.png` (single view, labels as
+outlines).
 """
 
 

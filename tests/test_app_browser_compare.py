@@ -59,11 +59,14 @@ SIDE_READY = (
 
 
 def pictures(view: Viewport, overlays: bool) -> list[np.ndarray]:
-    """Both viewers' canvases as RGB arrays, drawn with the label overlays shown or hidden."""
+    """Both viewers' canvases as RGB arrays, drawn with the label overlays shown or hidden.
+
+    The viewport's NiiVue draws on the next animation frame (``drawScene`` asks for one); the
+    picture is read in the same call as the draw, so it is drawn at once with ``drawNow``."""
     urls = view.js(
         "const s = window.medsegViewport, out = [];"
         "for (const nv of [s.nv, s.nv2]) {"
-        f"  nv.volumes[1].opacity = {1.0 if overlays else 0.0}; nv.updateGLVolume(); nv.drawScene();"
+        f"  nv.volumes[1].opacity = {1.0 if overlays else 0.0}; nv.updateGLVolume(); nv.drawNow();"
         "  out.push(nv.canvas.toDataURL('image/png'));"
         "}"
         "return out;"

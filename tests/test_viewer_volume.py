@@ -1,5 +1,6 @@
 """The uploaded NIfTI file as the viewport's volume (apps/upload.py ``viewer_nifti``): taken as it is
-only when NiiVue will put its voxels where medseg's reader does, refused otherwise.
+only when NiiVue will put its voxels where medseg's reader does, refused otherwise; and the
+reduced-resolution preview a large one is painted from first (``preview_nifti``).
 
 Real files written with nibabel and read back with medseg's own reader (``load_image``).
 """
@@ -13,7 +14,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from medseg.apps.upload import UploadedBytes, viewer_nifti
+from medseg.apps.upload import UploadedBytes, preview_nifti, viewer_nifti
 from medseg.infer import load_image
 
 OBLIQUE = np.array(
@@ -81,3 +82,30 @@ def test_not_sent_as_it_is(tmp_path: Path) -> None:
     assert viewer_nifti([UploadedBytes("ok.nii.gz", ok)]) is not None
     assert viewer_nifti([UploadedBytes("ok.nii.gz", ok), UploadedBytes("b.nii.gz", ok)]) is None
     assert viewer_nifti([UploadedBytes("series.zip", ok)]) is None
+
+
+@pytest.mark.parametrize("suffix", [".nii.gz", ".nii"])
+def test_preview_keeps_every_nth_voxel_at_its_world_position(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"big{suffix}"
+    img = nib.Nifti1Image(volume((13, 10, 7)), OBLIQUE)
+    img.header.set_slope_inter(2.0, -5.0)  # scaled values: the preview keeps the scaling
+    nib.save(img, path)
+    full = viewer_nifti([UploadedBytes(path.name, path.read_bytes())])
+    assert full is not None
+    assert preview_nifti(full, above=13 * 10 * 7, max_voxels=10) is None  # small enough: sent as it is
+    got = preview_nifti(full, above=100, max_voxels=7 * 5 * 4)  # step 2 leaves 7 x 5 x 4
+    assert got is not None
+    preview, step = got
+    assert step == 2 and preview.shape == (7, 5, 4) and preview.name == "preview.nii"
+    out = tmp_path / "preview.nii"
+    out.write_bytes(preview.data)
+    small, big = load_image(out), load_image(path)  # medseg's own reader, as the page uses
+    np.testing.assert_array_equal(small[0].numpy(), big[0].numpy()[::2, ::2, ::2])
+    ijk = np.array([[0, 0, 0, 1], [6, 4, 3, 1], [3, 1, 2, 1]], dtype=float)
+    np.testing.assert_allclose(
+        ijk @ small.affine.numpy().T, (ijk * [2, 2, 2, 1]) @ big.affine.numpy().T, atol=1e-4
+    )
+    np.testing.assert_allclose(preview.affine, small.affine.numpy(), atol=1e-4)
+    assert viewer_nifti([UploadedBytes("preview.nii", preview.data)]) is not None  # NiiVue reads it as medseg
+    assert preview_nifti(full, above=100, max_voxels=5 * 4 * 3 - 1)[1] == 4  # step 3 would leave 5 x 4 x 3
+    assert preview_nifti(full) is None  # the page's thresholds: far larger scans only

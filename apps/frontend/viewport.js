@@ -16,7 +16,9 @@
     secondId: null, secondName: "",
     // side by side: a second NiiVue on the same scan with the second model's labels, crosshair linked
     nv2: null, sideId: null,
-    timeline: {}, // wall-clock ms of the last new scan's steps: message in, parsed, added, drawn (the benchmark reads it)
+    // wall-clock ms of the last new scan's steps: message in, parsed, added, drawn (the benchmark
+    // reads it); preview: n when that scan was a reduced-resolution preview (every n-th voxel)
+    timeline: {},
   };
   window.medsegViewport = state; // read by the browser tests and the benchmark
 
@@ -267,7 +269,11 @@
     outline.addEventListener("click", () => {
       state.outline = !state.outline;
       outline.classList.toggle("on", state.outline);
-      applyLabels();
+      for (const v of [state.nv, state.sideId ? state.nv2 : null]) {
+        if (!v) continue;
+        v.overlayOutlineWidth = state.outline ? 1 : 0; // a uniform of the slice shader: a new frame is enough
+        v.drawScene();
+      }
     });
     document.getElementById("brush").addEventListener("click", () => setTool("brush"));
     document.getElementById("eraser").addEventListener("click", () => setTool("eraser"));
@@ -299,7 +305,10 @@
       isRadiologicalConvention: true,
       isOrientationTextVisible: true,
       show3Dcrosshair: true,
-      multiplanarShowRender: 1, // always: three planes and the 3D render
+      // The multiplanar layout shows the three planes only: the 3D render is a ray cast per pixel,
+      // which in software WebGL costs several times the three slices together on every scroll or
+      // click frame. It has its own layout ("3D", key r).
+      multiplanarShowRender: 0,
       dragMode: 9, // right-drag: windowing (horizontal: width, vertical: level)
       // left: crosshair, right: windowing, middle: pan (NiiVue's DRAG_MODE numbers)
       mouseEventConfig: { leftButton: { primary: 8 }, rightButton: 9, centerButton: 3 },
@@ -309,10 +318,46 @@
     };
   }
 
+  // NiiVue draws the whole canvas on each call of drawScene and then waits for the GPU
+  // (gl.finish): a click calls it three times (press twice, release once), and adding a volume
+  // blocks the page until its textures are built. With software WebGL each frame is expensive and
+  // the page's other frames (Streamlit's, the same thread) wait. Here a call only asks for a frame:
+  // the calls made before the next animation frame share one draw, and nothing waits for the GPU
+  // (the browser shows the frame when the GPU has drawn it). ``drawNow`` draws at once.
+  function oneFramePerTick(nv) {
+    let frame = 0;
+    const draw = () => {
+      if (frame) { cancelAnimationFrame(frame); frame = 0; }
+      nv.needsRefresh = false;
+      return nv.drawSceneCore();
+    };
+    nv.drawScene = () => {
+      if (!frame) frame = requestAnimationFrame(draw);
+    };
+    nv.drawNow = draw;
+  }
+
+  // Resolves once the GPU has finished everything asked of it so far, without blocking the page
+  // (a WebGL 2 fence, polled).
+  function gpuDone(gl) {
+    const sync = gl.fenceSync(gl.SYNC_GPU_COMMANDS_COMPLETE, 0);
+    gl.flush();
+    return new Promise((resolve) => {
+      const poll = () => {
+        if (gl.getSyncParameter(sync, gl.SYNC_STATUS) === gl.SIGNALED) {
+          gl.deleteSync(sync);
+          resolve(Date.now());
+        } else setTimeout(poll, 5);
+      };
+      setTimeout(poll, 0);
+    });
+  }
+
   async function init() {
     const canvas = document.getElementById("gl");
     const nv = new niivue.Niivue(options());
     await nv.attachToCanvas(canvas);
+    oneFramePerTick(nv);
     nv.onLocationChange = showLocation;
     nv.onDrawingChanged = (action) => { if (action === "draw" || action === "undo") syncEdits(); };
     // NiiVue 0.69.0 draws each pen segment from the new point towards the previous one, leaving the
@@ -351,14 +396,19 @@
     if (!state.nv2) {
       state.nv2 = new niivue.Niivue(options());
       await state.nv2.attachToCanvas(document.getElementById("gl2"));
+      oneFramePerTick(state.nv2);
     }
     const nv2 = state.nv2;
-    while (nv2.volumes.length) nv2.removeVolume(nv2.volumes[nv2.volumes.length - 1]);
-    const name = args.volume_name || "scan.nii";
-    nv2.addVolume(await niivue.NVImage.loadFromUrl({ url: name, name: name, buffer: arrayBuffer(args.volume) }));
-    nv2.addVolume(await niivue.NVImage.loadFromUrl({ url: "second.nii", name: "second.nii", buffer: arrayBuffer(args.second_filled) }));
-    nv2.volumes[0].cal_min = nv.volumes[0].cal_min;
-    nv2.volumes[0].cal_max = nv.volumes[0].cal_max;
+    const scan = await loadNifti(args.volume, args.volume_name || "scan.nii");
+    const labels = await loadNifti(args.second_filled, "second.nii");
+    scan.cal_min = nv.volumes[0].cal_min;
+    scan.cal_max = nv.volumes[0].cal_max;
+    batch(nv2, () => {
+      while (nv2.volumes.length) nv2.removeVolume(nv2.volumes[nv2.volumes.length - 1]);
+      nv2.addVolume(scan);
+      nv2.addVolume(labels);
+      return true;
+    });
     nv2.setSliceType(nv.opts.sliceType);
     nv2.scene.crosshairPos = nv2.mm2frac(nv.frac2mm(nv.scene.crosshairPos));
     nv.broadcastTo([nv2], SYNC);
@@ -381,6 +431,41 @@
     fitHeight();
   }
 
+  // NiiVue rebuilds the textures of all its volumes (the scan's, with the 3D render's gradients)
+  // on every addVolume, removeVolume and updateGLVolume. ``batch`` makes the changes inside ``fn``
+  // (synchronous) rebuild once, at the end, and only if ``fn`` returns true.
+  //
+  // The rebuild renders the textures slice by slice and asks after each slice whether the target
+  // is complete (gl.checkFramebufferStatus): in Chrome that question waits for the GPU process to
+  // finish all the work before it, so the page's thread is held for the whole rebuild. The targets
+  // are NiiVue's own RGBA texture layers, complete by construction; during the rebuild the
+  // question is answered without the round trip, the work is queued, and the thread is free while
+  // the GPU process builds (the next frame shows the result once it is done).
+  function batch(nv, fn) {
+    const update = nv.updateGLVolume;
+    let changed = false;
+    nv.updateGLVolume = () => {};
+    try {
+      changed = fn();
+    } finally {
+      delete nv.updateGLVolume; // back to NiiVue's own method
+    }
+    if (changed) {
+      const gl = nv.gl;
+      gl.checkFramebufferStatus = () => gl.FRAMEBUFFER_COMPLETE;
+      try {
+        update.call(nv);
+      } finally {
+        delete gl.checkFramebufferStatus; // back to WebGL's own method
+      }
+    }
+    return changed;
+  }
+
+  function loadNifti(bytes, name) {
+    return niivue.NVImage.loadFromUrl({ url: name, name: name, buffer: arrayBuffer(bytes) });
+  }
+
   let queue = Promise.resolve();
   async function render(args) {
     state.lastArgs = args;
@@ -398,71 +483,90 @@
     if (state.error) return;
     const nv = state.nv;
     state.affine = args.affine;
-    if (args.volume_id !== state.volumeId) {
-      const tl = { message: state.messageAt, bytes: args.volume.byteLength };
-      while (nv.volumes.length) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
-      const name = args.volume_name || "scan.nii"; // .nii.gz: the uploaded file itself, NiiVue gunzips it
-      const img = await niivue.NVImage.loadFromUrl({ url: name, name: name, buffer: arrayBuffer(args.volume) });
-      tl.parsed = Date.now();
-      nv.addVolume(img);
-      tl.added = Date.now();
-      state.timeline = tl;
-      state.volumeId = args.volume_id;
-      state.newVolume = true;
-      state.labelsId = null;
-      state.windowKey = null;
-    }
-    const secondId = args.second_id || "none";
-    if (args.labels_id !== state.labelsId || secondId !== state.secondId) {
-      if (state.tool) setTool(state.tool); // the tool goes off while the overlays are replaced
-      if (state.editing) nv.closeDrawing();
-      while (nv.volumes.length > 1) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
-      if (args.labels_id !== state.labelsId) {
-        state.editing = false;
-        state.edits = null;
-        document.getElementById("editcount").textContent = "";
+    // Streamlit sends the arguments again on every rerun of the page; NiiVue rebuilds and draws only
+    // when something in the viewport changed. The files are parsed first, then swapped in at once.
+    const newVolume = args.volume_id !== state.volumeId;
+    const newLabels = newVolume || args.labels_id !== state.labelsId || secondId(args) !== state.secondId;
+    const preview = args.preview > 1 ? args.preview : 0; // every n-th voxel of a large scan, the full one follows
+    const tl = newVolume ? { message: state.messageAt, bytes: args.volume.byteLength, preview: preview } : null;
+    // .nii.gz: the uploaded file itself, NiiVue gunzips it
+    const img = newVolume ? await loadNifti(args.volume, args.volume_name || "scan.nii") : null;
+    if (tl) tl.parsed = Date.now();
+    const lab = newLabels && args.labels ? await loadNifti(args.labels, "labels.nii") : null;
+    const sec = lab && args.second ? await loadNifti(args.second, "second.nii") : null;
+    // Building a scan's textures holds this thread, which the page around the viewport shares
+    // (same site, same renderer) for seconds in software WebGL: first let the page finish what it
+    // has to do (draw the Run button that came with this rerun), for at most half a second.
+    if (img || lab) await new Promise((resolve) => requestIdleCallback(resolve, { timeout: 500 }));
+    batch(nv, () => {
+      if (newVolume) {
+        while (nv.volumes.length) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
+        nv.addVolume(img);
+        state.timeline = tl;
+        state.volumeId = args.volume_id;
+        state.newVolume = true;
+        state.labelsId = null;
+        state.windowKey = null;
+        document.getElementById("res").textContent = preview
+          ? `Preview at reduced resolution (1 voxel in ${preview} along each axis); the full-resolution scan is on its way`
+          : "";
       }
-      state.labels = (args.label_info || []).map((l) => Object.assign({ shown: true, opacity: args.opacity }, l));
-      state.secondName = args.second_name || "";
-      if (args.labels) {
-        const lab = await niivue.NVImage.loadFromUrl({ url: "labels.nii", name: "labels.nii", buffer: arrayBuffer(args.labels) });
-        nv.addVolume(lab);
-        if (args.labels_id !== state.labelsId) state.labelOrig = Uint8Array.from(lab.img); // the model's, unedited
-        if (args.second) {
-          const sec = await niivue.NVImage.loadFromUrl({ url: "second.nii", name: "second.nii", buffer: arrayBuffer(args.second) });
-          nv.addVolume(sec);
-        }
-        if (state.edits) { // the second mask changed, the model's did not: keep the edits
-          const runs = state.edits.runs;
-          for (const [start, n, v] of runs) lab.img.fill(v, start, start + n);
-          state.editing = false; // the next tool reloads the drawing from the edited labels
-        }
-        applyLabels();
+      if (newLabels) replaceLabels(args, lab, sec);
+      const windowKey = `${args.level}/${args.width}`;
+      // a new display preset from the page (drags change it in between); none yet: NiiVue's own window
+      if (windowKey !== state.windowKey && args.level !== null && args.width !== null) {
+        setWindow(args.level, args.width);
+        state.windowKey = windowKey;
+        return true;
       }
-      labelControls();
-      penChoices();
-      state.labelsId = args.labels_id;
-      state.secondId = secondId;
-    }
+      return newVolume || newLabels;
+    });
+    if (tl) tl.added = Date.now();
     await sideBySide(args);
     state.editable = !!(args.editable && args.labels);
     document.getElementById("edit").style.display = state.editable ? "inline" : "none";
-    const windowKey = `${args.level}/${args.width}`;
-    // a new display preset from the page (drags change it in between); none yet: NiiVue's own window
-    if (windowKey !== state.windowKey && args.level !== null && args.width !== null) {
-      setWindow(args.level, args.width);
-      state.windowKey = windowKey;
-    }
-    nv.drawScene();
-    if (state.sideId) state.nv2.drawScene();
     state.renderedAt = Date.now();
-    if (state.newVolume) { // first paint of this scan (the benchmark reads it)
-      state.loadedAt = state.renderedAt;
-      state.timeline.drawn = state.renderedAt;
+    if (state.newVolume) { // first paint of this scan, once the GPU has drawn it (the benchmark reads it)
       state.newVolume = false;
+      nv.drawNow();
+      gpuDone(nv.gl).then((t) => {
+        tl.drawn = t;
+        if (state.timeline === tl) state.loadedAt = t;
+      });
     }
     fitHeight();
   }
+
+  // the overlays of a new scan, a new label map or a new second mask (inside a batch)
+  function replaceLabels(args, lab, sec) {
+    const nv = state.nv;
+    if (state.tool) setTool(state.tool); // the tool goes off while the overlays are replaced
+    if (state.editing) nv.closeDrawing();
+    while (nv.volumes.length > 1) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
+    if (args.labels_id !== state.labelsId) {
+      state.editing = false;
+      state.edits = null;
+      document.getElementById("editcount").textContent = "";
+    }
+    state.labels = (args.label_info || []).map((l) => Object.assign({ shown: true, opacity: args.opacity }, l));
+    state.secondName = args.second_name || "";
+    if (lab) {
+      nv.addVolume(lab);
+      if (args.labels_id !== state.labelsId) state.labelOrig = Uint8Array.from(lab.img); // the model's, unedited
+      if (sec) nv.addVolume(sec);
+      if (state.edits) { // the second mask changed, the model's did not: keep the edits
+        for (const [start, n, v] of state.edits.runs) lab.img.fill(v, start, start + n);
+        state.editing = false; // the next tool reloads the drawing from the edited labels
+      }
+      applyLabels();
+    }
+    labelControls();
+    penChoices();
+    state.labelsId = args.labels_id;
+    state.secondId = secondId(args);
+  }
+
+  function secondId(args) { return args.second_id || "none"; }
 
   window.addEventListener("message", (event) => {
     const data = event.data || {};
