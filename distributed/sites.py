@@ -612,8 +612,9 @@ def tcp_throughput(
 ) -> dict[str, float]:
     """One TCP flow src -> dst for ``seconds`` (or ``max_bytes``); rate measured at the receiver.
 
-    The receiver's clock runs from ``warmup`` seconds after the first byte (slow start excluded) to
-    the last byte; returns ``mbit_s``, ``bytes`` (all received) and ``seconds`` (the measured span).
+    The receiver's clock runs from ``warmup`` seconds after the first byte (slow start excluded), or
+    from the first quarter of ``max_bytes`` when that comes sooner (an unshaped link can carry all of
+    ``max_bytes`` within the warm-up), to the last byte; returns ``mbit_s``, ``bytes`` (all received) and ``seconds`` (the measured span).
     """
     server = socket_in(dst.netns)
     client = socket_in(src.netns)
@@ -643,7 +644,7 @@ def tcp_throughput(
                         last = now
                         if first is None:
                             first = now
-                        elif mark is None and now - first >= warmup:
+                        elif mark is None and (now - first >= warmup or total >= max_bytes // 4):
                             mark, marked = now, total
                     result["bytes"] = total
                     if mark is not None and last > mark:

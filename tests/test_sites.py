@@ -166,6 +166,16 @@ def test_up_probe_and_down_leaves_nothing() -> None:
 
 
 @needs_host
+def test_probe_measures_an_unshaped_link_that_sends_everything_within_the_warmup() -> None:
+    # 16 MB over a veth takes milliseconds, far less than the probe's 0.5 s slow-start warm-up
+    with sites.testbed(sites="a:1,b:1", wan="none", probe=False) as tb:
+        flow = sites.tcp_throughput(tb.site("a"), tb.site("b"), seconds=3.0, max_bytes=16 << 20)
+        assert flow["bytes"] == 16 << 20
+        assert flow["mbit_s"] > 100 and 0 < flow["seconds"] < 3.0
+    assert leftovers() == []
+
+
+@needs_host
 def test_cut_stops_traffic_and_restore_brings_it_back() -> None:
     with sites.testbed(sites="a:1,b:1", wan="20mbit:5ms", probe=False) as tb:
         a, b = tb.site("a"), tb.site("b")
