@@ -1234,6 +1234,11 @@ class Testbed:
             "sites": sites,
         }
 
+    def _rate_ok(self, mbit_s: float) -> bool:
+        """Whether a measured throughput is within the tolerance of the WAN's rate."""
+        exp = self.wan.rate_bit / 1e6
+        return abs(mbit_s - exp) <= TOLERANCE * exp
+
     def probe(
         self, src: str | None = None, dst: str | None = None, check: bool = True, seconds: float = 3.0
     ) -> dict:
@@ -1241,7 +1246,8 @@ class Testbed:
 
         RTT: median of 30 one-byte TCP request/responses (TCP_NODELAY); expected 2 x one-way
         delay. Throughput: one TCP flow for ``seconds`` (slow start's first 0.5 s not counted),
-        timed at the receiver; expected the tbf rate. TCP's payload is 1448 of every 1514 bytes
+        timed at the receiver, and a second flow when the first is off (the better one counts: a
+        congestion event inside 3 s can cost a few per cent); expected the tbf rate. TCP's payload is 1448 of every 1514 bytes
         on the wire, so goodput runs about 4.4 % under the rate: within the 10 % allowance. With
         loss, what TCP achieves depends on its congestion control (CUBIC kept 19.2 of 20 Mbit/s at
         0.5 % loss and 50 ms here; Reno would get far less), so then only "not above the rate" is
@@ -1253,7 +1259,12 @@ class Testbed:
         a = self.site(src) if src else self.sites[0]
         b = self.site(dst) if dst else self.sites[1]
         rtts = tcp_rtt_ms(a, b)
-        flow = tcp_throughput(a, b, seconds=seconds)
+        flows = [tcp_throughput(a, b, seconds=seconds)]
+        if self.wan.rate_bit and not self.wan.loss and not self._rate_ok(flows[0]["mbit_s"]):
+            # one congestion event in a 3 s flow can cost a few per cent: the link's rate is the
+            # better of two flows (both reported), and a shaping that is really off fails both
+            flows.append(tcp_throughput(a, b, seconds=seconds))
+        flow = max(flows, key=lambda f: f["mbit_s"])
         rtt = statistics.median(rtts)
         exp_rtt = 2 * self.wan.delay_ms
         report: dict = {
@@ -1269,6 +1280,7 @@ class Testbed:
             if self.wan.rate_bit
             else None,
             "flow_seconds": round(flow["seconds"], 3),
+            "flows_mbit_s": [round(f["mbit_s"], 3) for f in flows],
             "tolerance": TOLERANCE,
         }
         problems = []
@@ -1281,7 +1293,7 @@ class Testbed:
             if self.wan.loss > 0:  # what TCP makes of loss depends on its congestion control
                 if flow["mbit_s"] > exp * (1 + TOLERANCE):
                     problems.append(f"throughput {flow['mbit_s']:.2f} Mbit/s above the rate {exp:g}")
-            elif abs(flow["mbit_s"] - exp) > TOLERANCE * exp:
+            elif not self._rate_ok(flow["mbit_s"]):
                 problems.append(
                     f"throughput {flow['mbit_s']:.2f} Mbit/s, expected {exp:g} +- {TOLERANCE:.0%}"
                 )
