@@ -160,7 +160,12 @@ def score(name: str, work: Path, sites: dict[str, dict[str, Path]]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench-hospitals")
-    ap.add_argument("--epochs", type=int, default=90, help="epochs of every configuration (90: at 30 every configuration was still improving)")
+    ap.add_argument(
+        "--epochs",
+        type=int,
+        default=90,
+        help="epochs of every configuration (90: at 30 every configuration was still improving)",
+    )
     ap.add_argument("--cases", type=int, default=10, help="training cases per site")
     ap.add_argument("--test", type=int, default=6, help="held-out cases per site")
     ap.add_argument("--size", type=int, default=48)
