@@ -116,17 +116,20 @@ def read_dataset(cfg: Config, data_dir: str | None = None) -> tuple[DatasetInfo,
     return info, train_items, val_items
 
 
+def _chains(cfg: Config) -> tuple[mt.Compose, mt.Compose]:
+    """The task's training and validation transform chains."""
+    if cfg.task == "segmentation":
+        return tf.seg_train(cfg), tf.seg_val(cfg)
+    return tf.cls_train(cfg), tf.cls_val(cfg)
+
+
 def fill_disk_cache(cfg: Config) -> None:
     """Load every case of ``cfg``'s split into its disk cache (``data.cache: disk``), training and
     validation chains both, in this process; jobs started afterwards only read the cache."""
     if cfg.data.cache != "disk":
         raise ConfigError(f"fill_disk_cache needs data.cache: disk, not {cfg.data.cache!r}")
     info, train_items, val_items = read_dataset(cfg)
-    train_chain, val_chain = (
-        (tf.seg_train(cfg), tf.seg_val(cfg))
-        if cfg.task == "segmentation"
-        else (tf.cls_train(cfg), tf.cls_val(cfg))
-    )
+    train_chain, val_chain = _chains(cfg)
     _build(cfg, train_items, train_chain, "train", info.root)
     _build(cfg, val_items, val_chain, "val", info.root)
 
@@ -147,10 +150,7 @@ def make_train_data(
     own, per_epoch = session.own_cases(len(train_items), cfg.train.batch_size, cfg.train.seed)
     mine = [train_items[i] for i in own]
     val_items = val_items if session.validates else []
-    if cfg.task == "segmentation":
-        train_chain, val_chain = tf.seg_train(cfg), tf.seg_val(cfg)
-    else:
-        train_chain, val_chain = tf.cls_train(cfg), tf.cls_val(cfg)
+    train_chain, val_chain = _chains(cfg)
     log.info(
         "%s: %d training cases (%d of them this rank's), %d validation cases",
         info.name,
