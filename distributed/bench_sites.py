@@ -283,15 +283,20 @@ def bench_sites(
     epochs: int | None = None,
     scenarios: list[str] | None = None,
     configs: list[str] | None = None,
+    reuse: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run every scenario and config (``quick``: 2 scenarios x 4 configs, 1 seed), or those named."""
+    """Run every scenario and config (``quick``: 2 scenarios x 4 configs, 1 seed), or those named.
+
+    ``reuse``: an earlier result of this function with the same seeds, epochs and ``quick``; each
+    (scenario, config) it holds is taken from it (marked ``"reused": True``, its own probe kept
+    beside it) instead of being run again, so a long seeded run can be completed in parts.
+    """
     from medseg.distributed.sites import testbed
 
     workdir.mkdir(parents=True, exist_ok=True)
     seeds = seeds or (1 if quick else 3)
     epochs = epochs or (QUICK_EPOCHS if quick else EPOCHS)
     target = QUICK_DICE_TARGET if quick else DICE_TARGET
-    data_dir = make_seg_dataset(workdir / "data", n_train=TRAIN_CASES, n_test=0, seed=7, size=48)
     scenarios = scenarios or (QUICK_SCENARIOS if quick else tuple(SCENARIOS))
     configs = configs or (QUICK_CONFIGS if quick else tuple(CONFIGS))
     unknown = [s for s in scenarios if s not in SCENARIOS] + [c for c in configs if c not in CONFIGS]
@@ -308,10 +313,22 @@ def bench_sites(
         "dice_target": target,
         "scenarios": {},
     }
-    out["cache_fill_s"] = fill_cache(data_dir, seeds)
-    log.info("bench sites: data cache filled in %.0f s", out["cache_fill_s"])
+    earlier = _reusable(reuse, quick, seeds, epochs)
+    if any(c not in earlier.get(sc, {}).get("configs", {}) for sc in scenarios for c in configs):
+        data_dir = make_seg_dataset(workdir / "data", n_train=TRAIN_CASES, n_test=0, seed=7, size=48)
+        out["cache_fill_s"] = fill_cache(data_dir, seeds)
+        log.info("bench sites: data cache filled in %.0f s", out["cache_fill_s"])
     for scenario in scenarios:
         wan = SCENARIOS[scenario]
+        old = earlier.get(scenario, {})
+        kept = {c: dict(old["configs"][c], reused=True) for c in configs if c in old.get("configs", {})}
+        if len(kept) == len(configs):
+            res = {k: v for k, v in old.items() if k != "configs"}
+            res["configs"] = {c: kept[c] for c in configs}
+            _budget(res)
+            out["scenarios"][scenario] = res
+            log.info("bench sites: %s taken whole from the earlier result", scenario)
+            continue
         with testbed(sites=SITES, wan=wan, cpu=CPU) as tb:
             probe = tb.probe(check=wan != "none")
             res: dict[str, Any] = {
@@ -322,6 +339,10 @@ def bench_sites(
                 "configs": {},
             }
             for name in configs:
+                if name in kept:
+                    log.info("bench sites: %s %s taken from the earlier result", scenario, name)
+                    res["configs"][name] = {**kept[name], "reused_probe": old.get("probe")}
+                    continue
                 runs = []
                 for seed in range(seeds):
                     log.info("bench sites: %s %s seed %d", scenario, name, seed)
@@ -342,6 +363,19 @@ def bench_sites(
         out["scenarios"][scenario] = res
     out["setting"] = _setting(out)
     return out
+
+
+def _reusable(reuse: dict[str, Any] | None, quick: bool, seeds: int, epochs: int) -> dict[str, Any]:
+    """The scenarios of an earlier result that this run may take configs from (same settings), else {}."""
+    if not reuse:
+        return {}
+    theirs = (reuse.get("quick"), reuse.get("seeds"), reuse.get("epochs"))
+    if theirs != (quick, seeds, epochs):
+        raise ConfigError(
+            f"bench sites --reuse: that result has quick, seeds, epochs = {theirs}, this run {(quick, seeds, epochs)}; "
+            "only a result with the same settings can be completed"
+        )
+    return reuse.get("scenarios", {})
 
 
 def _mean(xs: list[Any]) -> float | None:
@@ -517,11 +551,25 @@ def format_table(result: dict[str, Any]) -> str:
                 else "-"
             )
             mr = c["wan_payload_measured"] / c["wan_bytes_reported"] if c["wan_bytes_reported"] else None
+            label = f"{name} (earlier run)" if c.get("reused") else name
             lines.append(
-                f"| {name} | {t} | {_fmt(r['time_x'])} | {_fmt_s(c.get('time_to_dice_job_s'))} | {c['dice_equal_epochs']:.3f} | {_fmt_d(c['dice_at_budget'])} | "
+                f"| {label} | {t} | {_fmt(r['time_x'])} | {_fmt_s(c.get('time_to_dice_job_s'))} | {c['dice_equal_epochs']:.3f} | {_fmt_d(c['dice_at_budget'])} | "
                 f"{c['samples_per_s']:.2f} | {c['epochs']} | {c['wan_payload_measured'] / 1e6:.1f} ({c['wan_payload_per_epoch'] / 1e6:.2f}) | {c['wan_bytes_reported'] / 1e6:.1f} | "
                 f"{'-' if mr is None else f'{mr:.2f}'} | {lead} | {step} | {c['groups']}, {c['periods']} |"
             )
+        earlier = sorted(
+            {
+                f"RTT {p['rtt_ms']:.1f} ms, {p['mbit_s']:.1f} Mbit/s"
+                for c in res["configs"].values()
+                if (p := c.get("reused_probe"))
+            }
+        )
+        if earlier:
+            lines += [
+                "",
+                "Configs marked 'earlier run' come from an earlier invocation (`--reuse`), same settings, "
+                f"measured under its own probe ({'; '.join(earlier)}).",
+            ]
         lines += [
             "",
             "Time per rank, summed over epochs (compute / waiting in site / waiting on other sites / wall, s):",

@@ -43,9 +43,52 @@ from medseg.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
 WORKER_ENV = "MEDSEG_WORKER"
-# horovodrun (Gloo) reports the first failed rank as "Process name: R" then "Exit code: C".
+# horovodrun (Gloo) prints "Process R exit with status code C." as each rank fails, and at the end
+# names the first rank it saw fail as "Process name: R" then "Exit code: C".
+_RANK_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
 _FAILED_RANK = re.compile(r"^Process name: (\d+)")
 _EXIT_CODE = re.compile(r"^Exit code: (-?\d+)")
+_SIGTERM_CODES = (-15, 143)  # what horovodrun sends the remaining ranks after the first failure
+
+
+class ExitLog:
+    """The ranks' exits as horovodrun reports them, and the rank the job's failure is blamed on.
+
+    horovodrun blames the rank whose exit its per-rank thread *noticed* first. When a rank is killed
+    (SIGKILL from the OOM killer or a user, a segfault), its peers' collectives fail at once and a
+    peer may exit with status 1 before horovodrun notices the dead rank (one run in six here, on a
+    2-core machine under load), so the healthy rank would be named. :meth:`culprit` therefore
+    prefers a rank that was ended by a signal horovodrun did not send (anything but SIGTERM: a rank
+    ends with status ``128 + signal`` or ``-signal``) over the first reported failure.
+    """
+
+    def __init__(self) -> None:
+        self.exits: list[tuple[int, int]] = []  # (rank, exit code), in the order horovodrun saw them
+        self.first: tuple[int, int | None] | None = None  # horovodrun's own "first process"
+
+    def feed(self, line: str) -> None:
+        line = line.strip()
+        if m := _RANK_EXIT.match(line):
+            self.exits.append((int(m.group(1)), int(m.group(2))))
+        elif m := _FAILED_RANK.match(line):
+            if self.first is None:
+                self.first = (int(m.group(1)), None)
+        elif (m := _EXIT_CODE.match(line)) and self.first is not None and self.first[1] is None:
+            self.first = (self.first[0], int(m.group(1)))
+
+    @staticmethod
+    def by_signal(code: int) -> bool:
+        """Ended by a signal other than horovodrun's SIGTERM."""
+        return (code < 0 or 128 < code < 160) and code not in _SIGTERM_CODES
+
+    def culprit(self) -> tuple[int, int | None] | None:
+        """(rank, exit code) the failure is blamed on; None when horovodrun named no rank."""
+        signalled = next(((r, c) for r, c in self.exits if self.by_signal(c)), None)
+        if signalled is not None:
+            return signalled
+        if self.first is not None:
+            return self.first
+        return self.exits[0] if self.exits else None
 
 
 def parse_hosts(hosts: str | None, np_: int) -> str:
@@ -236,17 +279,13 @@ def _attempt(
         start_new_session=True,
         preexec_fn=_die_with_parent,
     )
-    first_failure: list[int] = []  # [rank, exit code] of the first rank horovodrun saw fail
+    exits = ExitLog()
 
     def pump() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)
-            rank, code = _FAILED_RANK.match(line.strip()), _EXIT_CODE.match(line.strip())
-            if rank and not first_failure:
-                first_failure.append(int(rank.group(1)))
-            elif code and len(first_failure) == 1:
-                first_failure.append(int(code.group(1)))
+            exits.feed(line)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -276,8 +315,9 @@ def _attempt(
         )
     if proc.returncode == 0:
         return _Attempt(True)
-    if first_failure:
-        rank, code = first_failure[0], first_failure[1] if len(first_failure) > 1 else None
+    culprit = exits.culprit()
+    if culprit is not None:
+        rank, code = culprit
         what = f"{describe(rank, states.get(rank))} exited with status {code}" + (
             " (killed)" if code in (-9, 137, -15, 143) else ""
         )

@@ -252,6 +252,20 @@ def _report(result: dict, args: argparse.Namespace, write_report, format_table, 
     print(f"wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
 
 
+def _read_json(path: Path, what: str) -> dict:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what}: {path} does not exist") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{what}: {path} is not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: {path} holds no benchmark result (not a JSON object)")
+    return data
+
+
 def _bench_sites(args: argparse.Namespace) -> None:
     from medseg.distributed.bench_sites import bench_sites, check_targets, format_table, write_report
 
@@ -262,6 +276,7 @@ def _bench_sites(args: argparse.Namespace) -> None:
         epochs=args.epochs,
         scenarios=args.scenarios.split(",") if args.scenarios else None,
         configs=args.configs.split(",") if args.configs else None,
+        reuse=_read_json(args.reuse, "--reuse") if args.reuse else None,
     )
     _report(result, args, write_report, format_table, check_targets)
 
@@ -504,6 +519,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--workdir", type=Path, default=Path("runs/bench-sites"), help="data and runs of the benchmark"
+    )
+    s.add_argument(
+        "--reuse",
+        type=Path,
+        help="an earlier --json of the same seeds and epochs: its scenario/config results are kept, not re-run",
     )
     s.set_defaults(func=_bench_sites)
     s = bench.add_parser(

@@ -28,6 +28,28 @@ from medseg.config import Config
 log = logging.getLogger(__name__)
 
 
+def improves(record: dict[str, Any], best: dict[str, Any] | None, key: str, tie: str | None) -> bool:
+    """Whether an epoch's validation ``record`` beats ``best`` (the best epoch's record so far).
+
+    Ordered by ``(record[key], record[tie])``: a higher key metric wins, and an equal one is decided by
+    the tie-break metric (a missing value ranks lowest). ROC-AUC saturates at 1.0 as soon as the
+    classes are separated at *some* threshold, while accuracy at the model's own decision (argmax)
+    may still be 0.5: picking the earliest AUC = 1.0 epoch exported such a model in the demo
+    (held-out AUC 1.000, accuracy 0.525).
+    """
+    value = record.get(key)
+    if value is None:
+        return False
+    if best is None or best.get(key) is None:
+        return True
+    if value != best[key]:
+        return value > best[key]
+    if tie is None:
+        return False
+    mine, theirs = record.get(tie), best.get(tie)
+    return mine is not None and (theirs is None or mine > theirs)
+
+
 def _finite(x: float) -> float | None:
     return float(x) if math.isfinite(float(x)) else None
 
@@ -36,6 +58,7 @@ class SegmentationTask:
     """Voxel-wise classes; DiceCE loss (fused with train.memory=fused); Dice and 95th-percentile Hausdorff distance per class."""
 
     key_metric = "val_dice"
+    tie_metric: str | None = None  # Dice does not saturate early
 
     def __init__(self, cfg: Config, labels: dict[int, str]) -> None:
         self.cfg, self.labels = cfg, labels
@@ -98,6 +121,7 @@ class ClassificationTask:
     """One class per volume; cross-entropy loss; ROC-AUC (one-vs-rest mean) and accuracy."""
 
     key_metric = "val_auc"
+    tie_metric: str | None = "val_accuracy"  # AUC = 1.0 says nothing about the decision threshold
 
     def __init__(self, cfg: Config, labels: dict[int, str]) -> None:
         self.cfg, self.labels = cfg, labels

@@ -28,7 +28,7 @@ from medseg.distributed import LocalSession, open_session
 from medseg.errors import ConfigError, MedsegError, RunError
 from medseg.models import build_network, network_def
 from medseg.runlog import plot_learning_curve, read_metrics, write_metrics
-from medseg.tasks import make_task
+from medseg.tasks import improves, make_task
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +244,7 @@ def _train(
         )
 
     start, best, best_epoch = 1, -math.inf, None
+    best_record: dict | None = None  # the best epoch's validation record (its tie-break metric too)
     records = read_metrics(metrics_path)
     if state is not None:
         model.load_state_dict(state["model"])
@@ -255,6 +256,9 @@ def _train(
         start, best_epoch = state["epoch"] + 1, state.get("best_epoch")
         best = state["best_metric"] if state.get("best_metric") is not None else -math.inf
         records = [r for r in records if r["epoch"] <= state["epoch"]]  # drop epochs after the checkpoint
+        best_record = next((r for r in records if r["epoch"] == best_epoch), None)
+        if best_record is None and best != -math.inf:
+            best_record = {task.key_metric: best}
         log.info("resuming %s at epoch %d of %d", cfg.run_dir, start, t.epochs)
     else:
         records = []
@@ -330,9 +334,9 @@ def _train(
         record["train_start"] = round(train_start, 3)
         session.phase("save")
         metric = record.get(task.key_metric)
-        is_best = metric is not None and metric > best
+        is_best = improves(record, best_record, task.key_metric, task.tie_metric)
         if is_best:
-            best, best_epoch = metric, epoch
+            best, best_epoch, best_record = metric, epoch, record
         payload = {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),

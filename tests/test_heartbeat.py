@@ -80,3 +80,39 @@ def test_a_rank_holding_the_gil_beats_and_a_stopped_one_does_not(tmp_path: Path)
         server.close()
     # the helper ends with its rank
     assert _wait_until(lambda: not sidecars(), 4 * BEAT_INTERVAL_S), "the beat helper outlived its rank"
+
+
+# What horovodrun printed in a CI run where rank 1 was SIGKILLed and rank 0's failed collective made it
+# exit with status 1 before horovodrun noticed rank 1 (shortened; the order of the lines is the point).
+_KILLED_PEER_NOTICED_LATE = """\
+[0]<stderr>:horovod.common.exceptions.HorovodInternalError: Horovod has been shut down.
+Process 0 exit with status code 1.
+Terminating remaining workers after failure of Process 0.
+Process 1 exit with status code 137.
+RuntimeError: Horovod detected that one or more processes exited with non-zero status, thus causing the job to be terminated. The first process to do so was:
+Process name: 0
+Exit code: 1
+"""
+
+
+def _exit_log(text: str):
+    from medseg.distributed.launcher import ExitLog
+
+    log = ExitLog()
+    for line in text.splitlines(keepends=True):
+        log.feed(line)
+    return log
+
+
+def test_a_killed_rank_is_blamed_over_the_peer_that_horovodrun_saw_fail_first() -> None:
+    assert _exit_log(_KILLED_PEER_NOTICED_LATE).culprit() == (1, 137)
+
+
+def test_the_rank_with_an_error_is_blamed_when_the_others_only_got_horovodruns_sigterm() -> None:
+    text = (
+        "Process 1 exit with status code 1.\nTerminating remaining workers after failure of Process 1.\n"
+        "Process 0 exit with status code 143.\nProcess name: 1\nExit code: 1\n"
+    )
+    assert _exit_log(text).culprit() == (1, 1)
+    assert _exit_log("Process name: 2\nExit code: -11\n").culprit() == (2, -11)
+    assert _exit_log("nothing failed\n").culprit() is None

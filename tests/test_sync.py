@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -115,3 +117,25 @@ def test_watchdog_gives_a_starting_rank_the_start_up_grace() -> None:
     states = {0: _state("start", 10.0, since=10.0), 1: _state("load", 99.0, since=50.0)}
     assert dog.verdict(states, now=100.0) is None  # 90 s in Horovod's init: still starting
     assert "rank 0" in (dog.verdict(states, now=10.0 + 181.0) or "")
+
+
+def test_bench_sites_reuse_takes_an_earlier_result_and_refuses_other_settings(tmp_path) -> None:
+    """`bench sites --reuse` completes a seeded run in parts: what the earlier JSON holds is not run again."""
+    import json
+
+    from medseg.distributed.bench_sites import bench_sites, check_targets, format_table
+    from medseg.errors import ConfigError
+
+    earlier = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench-sites-full.json").read_text())
+    configs = list(earlier["scenarios"]["wan20"]["configs"])
+    got = bench_sites(tmp_path, seeds=3, epochs=8, scenarios=["wan20"], configs=configs, reuse=earlier)
+    assert not (tmp_path / "data").exists()  # nothing ran: no data was made
+    res = got["scenarios"]["wan20"]
+    assert all(c["reused"] for c in res["configs"].values())
+    for name in configs:
+        assert res["configs"][name]["dice_equal_epochs"] == earlier["scenarios"]["wan20"]["configs"][name]["dice_equal_epochs"]
+    assert res["rtt_ms"] == earlier["scenarios"]["wan20"]["rtt_ms"]
+    assert "bsp-none (earlier run)" in format_table(got)
+    assert check_targets(got)
+    with pytest.raises(ConfigError, match="same settings"):
+        bench_sites(tmp_path, seeds=1, epochs=8, scenarios=["wan20"], configs=configs, reuse=earlier)

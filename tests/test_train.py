@@ -132,3 +132,29 @@ def test_label_shape_mismatch_stops_training_before_it_starts(seg_data: Path, tm
     with pytest.raises(DataError, match=f"{label.name}: label shape"):
         train(tiny_seg_config(bad, tmp_path, name="bad"), progress=False)
     assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_an_equal_key_metric_is_decided_by_the_tie_break_metric() -> None:
+    """The demo's classifier reached AUC 1.0 at epoch 11 (accuracy 0.47) and 13 (accuracy 1.0); the
+    earlier one was exported. With the tie broken by accuracy the later one is."""
+    from medseg.tasks import ClassificationTask, SegmentationTask, improves
+
+    key, tie = ClassificationTask.key_metric, ClassificationTask.tie_metric
+    e11 = {"val_auc": 1.0, "val_accuracy": 0.46875}
+    e13 = {"val_auc": 1.0, "val_accuracy": 1.0}
+    assert improves(e11, None, key, tie)
+    assert improves(e13, e11, key, tie)
+    assert not improves(e11, e13, key, tie)
+    assert not improves(dict(e13), e13, key, tie)  # an equal epoch does not replace the earlier one
+    assert improves({"val_auc": 0.9}, {"val_auc": 0.8, "val_accuracy": 1.0}, key, tie)
+    assert not improves({"val_auc": None}, None, key, tie)
+    assert not improves(
+        {"val_dice": 0.5}, {"val_dice": 0.5}, SegmentationTask.key_metric, SegmentationTask.tie_metric
+    )
+
+
+def test_best_checkpoint_is_the_epoch_with_the_highest_auc_then_accuracy(cls_run) -> None:
+    records = read_metrics(cls_run.run_dir / "metrics.jsonl")
+    state = load_checkpoint(cls_run.run_dir / "checkpoints" / "best.pt")
+    top = max(records, key=lambda r: (r["val_auc"], r["val_accuracy"], -r["epoch"]))
+    assert state["epoch"] == top["epoch"], records
