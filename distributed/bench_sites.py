@@ -624,11 +624,13 @@ def byte_gaps(res: dict[str, Any]) -> list[str]:
         retrans = c.get("wan_retrans_measured")
         rest = meas - rep - (retrans or 0)
         job_s = max(c.get("job_s") or 1.0, 1.0)
+        steps = max(c.get("steps") or 1, 1)
         agree = abs(meas - rep) / rep
         why = (
             f"{'within' if agree <= 0.05 else 'NOT within'} 5 %; "
             + (f"TCP retransmissions {retrans / 1e6:.2f} MB, " if retrans is not None else "")
-            + f"the rest {rest / 1e6:+.2f} MB ({rest / job_s / 1e3:+.1f} kB per second of the job)"
+            + f"the rest {rest / 1e6:+.2f} MB ({rest / job_s / 1e3:+.1f} kB per second of the job, "
+            f"{rest / steps / 1e3:+.1f} kB per step)"
         )
         out.append(
             f"- {name}: measured {meas / 1e6:.2f} MB, reported {rep / 1e6:.2f} MB ({(meas - rep) / rep:+.1%}): {why}"
