@@ -311,8 +311,17 @@ PREVIEW_ABOVE = 16 * 2**20  # scans with more voxels are painted first from a pr
 PREVIEW_VOXELS = 4 * 2**20  # at most this many voxels in the preview
 
 
+def preview_above() -> int:
+    """Scans with more voxels than this are painted first from a preview (``MEDSEG_APP_PREVIEW_ABOVE``,
+    default 16 M; a browser with a GPU builds a full scan's textures fast enough to raise it)."""
+    try:
+        return max(int(os.environ.get("MEDSEG_APP_PREVIEW_ABOVE", PREVIEW_ABOVE)), 0)
+    except ValueError:
+        return PREVIEW_ABOVE
+
+
 def preview_nifti(
-    volume: ViewerNifti, above: int = PREVIEW_ABOVE, max_voxels: int = PREVIEW_VOXELS
+    volume: ViewerNifti, above: int | None = None, max_voxels: int = PREVIEW_VOXELS
 ) -> tuple[ViewerNifti, int] | None:
     """A reduced-resolution copy of a large upload for the viewport's first paint, and its step.
 
@@ -321,8 +330,9 @@ def preview_nifti(
     the step: preview voxel (i, j, k) is the upload's voxel (step·i, step·j, step·k), at the same
     world position, with the same value. The browser builds its textures per voxel, so a step of 2
     makes that work 8 times smaller, 3 27 times. None when the scan has at most ``above`` voxels
-    and is sent as it is.
+    and is sent as it is (default: :func:`preview_above`).
     """
+    above = preview_above() if above is None else above
 
     def voxels(step: int) -> int:
         return int(np.prod([-(-s // step) for s in volume.shape]))

@@ -133,7 +133,10 @@ def test_bench_sites_reuse_takes_an_earlier_result_and_refuses_other_settings(tm
     res = got["scenarios"]["wan20"]
     assert all(c["reused"] for c in res["configs"].values())
     for name in configs:
-        assert res["configs"][name]["dice_equal_epochs"] == earlier["scenarios"]["wan20"]["configs"][name]["dice_equal_epochs"]
+        assert (
+            res["configs"][name]["dice_equal_epochs"]
+            == earlier["scenarios"]["wan20"]["configs"][name]["dice_equal_epochs"]
+        )
     assert res["rtt_ms"] == earlier["scenarios"]["wan20"]["rtt_ms"]
     assert "bsp-none (earlier run)" in format_table(got)
     assert check_targets(got)

@@ -109,3 +109,18 @@ def test_preview_keeps_every_nth_voxel_at_its_world_position(tmp_path: Path, suf
     assert viewer_nifti([UploadedBytes("preview.nii", preview.data)]) is not None  # NiiVue reads it as medseg
     assert preview_nifti(full, above=100, max_voxels=5 * 4 * 3 - 1)[1] == 4  # step 3 would leave 5 x 4 x 3
     assert preview_nifti(full) is None  # the page's thresholds: far larger scans only
+
+
+def test_the_preview_threshold_is_a_setting(tmp_path: Path, monkeypatch) -> None:
+    """``MEDSEG_APP_PREVIEW_ABOVE`` (voxels) moves the threshold; a value that is not a number keeps the default."""
+    path = tmp_path / "scan.nii"
+    nib.save(nib.Nifti1Image(volume((13, 10, 7)), OBLIQUE), path)
+    full = viewer_nifti([UploadedBytes(path.name, path.read_bytes())])
+    assert full is not None
+    monkeypatch.setenv("MEDSEG_APP_PREVIEW_ABOVE", str(13 * 10 * 7 - 1))
+    got = preview_nifti(full)
+    assert got is not None and got[1] == 2
+    monkeypatch.setenv("MEDSEG_APP_PREVIEW_ABOVE", str(13 * 10 * 7))
+    assert preview_nifti(full) is None
+    monkeypatch.setenv("MEDSEG_APP_PREVIEW_ABOVE", "lots")
+    assert preview_nifti(full) is None
