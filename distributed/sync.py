@@ -555,7 +555,9 @@ class GroupStale(SyncedOptimizer):
         self.channel.group_broadcast(gathered)
         total = torch.zeros(self.numel)
         for h, start in enumerate(range(0, gathered.numel(), self.block)):
-            total += self.weights[h] * decode_layers(gathered[start : start + self.block], self.layer_sizes, self.bits)
+            total += self.weights[h] * decode_layers(
+                gathered[start : start + self.block], self.layer_sizes, self.bits
+            )
         return total
 
     def _apply(self, e: _Round, boundary: int) -> None:
@@ -564,7 +566,9 @@ class GroupStale(SyncedOptimizer):
         if self.dc_lambda and e.w_then is not None:
             lr = float(self.base.param_groups[0]["lr"])
             others = mean - self.own_weight * e.own  # what the other groups contributed
-            mean = self.own_weight * e.own + dc_compensate(others, flat(self.params), e.w_then, self.dc_lambda, lr)
+            mean = self.own_weight * e.own + dc_compensate(
+                others, flat(self.params), e.w_then, self.dc_lambda, lr
+            )
         update = (mean - e.own) / max(tau, 1)
         assign(self.params, flat(self.params) + update)
         self.anchor += update

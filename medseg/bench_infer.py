@@ -705,7 +705,11 @@ def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None, 
         f"Synthetic CTs at {result['spacing']} mm (LPS-stored, float32 once loaded), demo-sized UNet (seeded, "
         f"untrained; 3 and 14 classes), on {result['device']} ({result['cpu_count']} cores, load average "
         f"{result['loadavg']:.1f} at the start"
-        + (": other jobs shared the CPU, so time ratios are noisy; memory is not" if result["loadavg"] > 1.5 else "")
+        + (
+            ": other jobs shared the CPU, so time ratios are noisy; memory is not"
+            if result["loadavg"] > 1.5
+            else ""
+        )
         + "). Each variant runs in its own process; peak RSS is the child's VmHWM (libraries, the loaded "
         "input and the prediction) with MALLOC_MMAP_THRESHOLD_=65536; time is the `predict` call, one column "
         "per round. `old` is the previous path (C probability maps inverted by `Invertd`, argmax after) "
