@@ -8,7 +8,6 @@ The loop asks :mod:`medseg.distributed` for its optimizer and does not know how 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 import time
@@ -243,7 +242,7 @@ def _train(
             "train.amp: this GPU has no bf16 and fp16 loss scaling is single-process only; set train.amp=false"
         )
 
-    start, best, best_epoch = 1, -math.inf, None
+    start, best_epoch = 1, None
     best_record: dict | None = None  # the best epoch's validation record (its tie-break metric too)
     records = read_metrics(metrics_path)
     if state is not None:
@@ -254,11 +253,10 @@ def _train(
             scheduler.T_max = t.epochs
         set_rng_state(state["rng"])
         start, best_epoch = state["epoch"] + 1, state.get("best_epoch")
-        best = state["best_metric"] if state.get("best_metric") is not None else -math.inf
         records = [r for r in records if r["epoch"] <= state["epoch"]]  # drop epochs after the checkpoint
         best_record = next((r for r in records if r["epoch"] == best_epoch), None)
-        if best_record is None and best != -math.inf:
-            best_record = {task.key_metric: best}
+        if best_record is None and state.get("best_metric") is not None:
+            best_record = {task.key_metric: state["best_metric"]}
         log.info("resuming %s at epoch %d of %d", cfg.run_dir, start, t.epochs)
     else:
         records = []
@@ -336,13 +334,13 @@ def _train(
         metric = record.get(task.key_metric)
         is_best = improves(record, best_record, task.key_metric, task.tie_metric)
         if is_best:
-            best, best_epoch, best_record = metric, epoch, record
+            best_epoch, best_record = epoch, record
         payload = {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "epoch": epoch,
-            "best_metric": None if best == -math.inf else best,
+            "best_metric": best_record.get(task.key_metric) if best_record else None,
             "best_epoch": best_epoch,
             "rng": rng_state(),
             "config": cfg.to_dict(),
@@ -372,15 +370,12 @@ def _train(
 
     if not session.is_chief:
         return TrainResult(cfg.run_dir, last, None, None, task.key_metric, {})
+    best_metric = best_record.get(task.key_metric) if best_record else None
     if stop < t.epochs and last == stop:
         log.info("stopped after epoch %d of %d; continue with --resume", stop, t.epochs)
-        return TrainResult(
-            cfg.run_dir, stop, None if best == -math.inf else best, best_epoch, task.key_metric, records[-1]
-        )
+        return TrainResult(cfg.run_dir, stop, best_metric, best_epoch, task.key_metric, records[-1])
     best_state = load_checkpoint(best_path)
-    best_record = next((r for r in records if r["epoch"] == best_state["epoch"]), {})
-    export_bundle(cfg, best_state, metrics={k: v for k, v in best_record.items() if k.startswith("val_")})
+    exported = next((r for r in records if r["epoch"] == best_state["epoch"]), {})
+    export_bundle(cfg, best_state, metrics={k: v for k, v in exported.items() if k.startswith("val_")})
     final = records[-1] if records else {}
-    return TrainResult(
-        cfg.run_dir, last, None if best == -math.inf else best, best_epoch, task.key_metric, final
-    )
+    return TrainResult(cfg.run_dir, last, best_metric, best_epoch, task.key_metric, final)
