@@ -127,6 +127,10 @@ def test_bench_sites_reuse_takes_an_earlier_result_and_refuses_other_settings(tm
     from medseg.errors import ConfigError
 
     earlier = json.loads((Path(__file__).resolve().parents[1] / "docs" / "bench-sites-full.json").read_text())
+    for scenario in earlier["scenarios"].values():  # as a run that reused nothing wrote them
+        for c in scenario["configs"].values():
+            c.pop("reused", None)
+            c.pop("reused_probe", None)
     configs = list(earlier["scenarios"]["wan20"]["configs"])
     got = bench_sites(tmp_path, seeds=3, epochs=8, scenarios=["wan20"], configs=configs, reuse=earlier)
     assert not (tmp_path / "data").exists()  # nothing ran: no data was made
