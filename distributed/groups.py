@@ -427,6 +427,29 @@ def epoch_rounds(
     return min(size // (batch_size * p) for p, row in zip(periods, sizes) for size in row)
 
 
+def fit_wan_factor(
+    factor: int,
+    n_samples: int,
+    groups: Sequence[Sequence[int]],
+    base_periods: Sequence[int],
+    batch_size: int,
+    min_rounds: int,
+) -> int:
+    """The largest m <= ``factor`` whose rounds (``base_periods`` times m) leave an epoch at least
+    ``min_rounds`` rounds (:func:`epoch_rounds`), or as many as the base periods give; 1 at least.
+
+    A round boundary is where the groups' models meet; longer rounds mean fewer meetings per epoch
+    and a longer drift between them, so the WAN factor of :func:`wan_round_factor` is capped here.
+    """
+    if min_rounds < 1:
+        raise ValueError(f"fit_wan_factor: min_rounds must be >= 1, got {min_rounds}")
+    need = min(min_rounds, epoch_rounds(n_samples, groups, base_periods, batch_size))
+    m = max(1, factor)
+    while m > 1 and epoch_rounds(n_samples, groups, [p * m for p in base_periods], batch_size) < need:
+        m -= 1
+    return m
+
+
 def static_share(
     n_samples: int,
     groups: Sequence[Sequence[int]],

@@ -27,7 +27,7 @@ from medseg.config import Config
 from medseg.distributed import audit
 from medseg.distributed.groups import (
     choose_groups,
-    epoch_rounds,
+    fit_wan_factor,
     parse_groups,
     profile_throughput,
     static_share,
@@ -40,7 +40,6 @@ from medseg.errors import ConfigError
 log = logging.getLogger(__name__)
 
 MAX_WAN_FACTOR = 64  # longest round, in multiples of the speed-ratio round
-MIN_EPOCH_ROUNDS = 4  # rounds an epoch keeps when the WAN factor lengthens them
 PROFILE_BLOCK_S = 0.4  # shortest timed block when measuring a rank's speed (several CPU-quota periods)
 
 
@@ -346,9 +345,11 @@ class HorovodSession(LocalSession):
     def own_cases(self, n_items: int, batch_size: int, seed: int) -> tuple[list[int], int | None]:
         """This rank's cases (:func:`static_share`), after fitting the WAN factor to the epoch.
 
-        The factor shrinks until an epoch holds :data:`MIN_EPOCH_ROUNDS` rounds (or as many as
+        The factor shrinks until an epoch holds ``dist.min_epoch_rounds`` rounds (or as many as
         rounds of the base periods give): the epoch's end waits for every round in flight, and
-        with fewer rounds per epoch the groups drift apart for longer between exchanges.
+        with fewer rounds per epoch the groups drift apart for longer between exchanges (at
+        20 Mbit/s, 4 rounds per epoch cost 0.022 held-out Dice against bsp, 7 rounds 0.004;
+        docs/benchmarks.md, "Between hospitals").
         """
         if self.site is not None:
             from medseg.sitedata import site_share
@@ -359,20 +360,17 @@ class HorovodSession(LocalSession):
             ]
             return site_share(self.rank_sites, self.site_cases, periods, batch_size, self.rank, seed)
 
-        m = self.wan_factor
-        need = min(MIN_EPOCH_ROUNDS, epoch_rounds(n_items, self.groups, self.base_periods, batch_size))
-        while (
-            m > 1
-            and epoch_rounds(n_items, self.groups, [p * m for p in self.base_periods], batch_size) < need
-        ):
-            m -= 1
+        d = self.dist
+        m = fit_wan_factor(
+            self.wan_factor, n_items, self.groups, self.base_periods, batch_size, d.min_epoch_rounds
+        )
         if m != self.wan_factor:
             if self.is_chief:
                 log.warning(
-                    "rounds of %s steps would leave fewer than %d rounds in an epoch of %d cases: "
-                    "WAN factor %d lowered to %d",
+                    "rounds of %s steps would leave fewer than %d rounds in an epoch of %d cases "
+                    "(dist.min_epoch_rounds): WAN factor %d lowered to %d",
                     [p * self.wan_factor for p in self.base_periods],
-                    need,
+                    d.min_epoch_rounds,
                     n_items,
                     self.wan_factor,
                     m,

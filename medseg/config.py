@@ -113,6 +113,9 @@ class DistConfig:
     # gssp/ssp with measured periods: lengthen every group's round by one factor so that a round's
     # compute covers the measured cross-group exchange (the WAN), see HorovodSession._wan_factor
     hide_wan: bool = True
+    # ... but never so long that an epoch holds fewer rounds than this: each round boundary is where
+    # the sites' models meet, and fewer meetings per epoch cost held-out Dice (docs/design.md)
+    min_epoch_rounds: int = 6
     num_groups: int = 0  # with automatic groups: 0 = chosen by Calinski-Harabasz
     staleness: int = 2  # gssp/ssp: rounds a group may run ahead of the slowest
     dc_lambda: float = 0.0  # gssp/ssp: DC-ASGD delay compensation strength (0 = off)
@@ -261,9 +264,17 @@ def _check(cfg: Config) -> None:
     if cfg.train.lr <= 0:
         raise ConfigError("train.lr: must be positive")
     d = cfg.dist
-    if d.staleness < 0 or d.period < 1 or d.timeout_s <= 0 or d.profile_steps < 1 or d.num_groups < 0:
+    if (
+        d.staleness < 0
+        or d.period < 1
+        or d.timeout_s <= 0
+        or d.profile_steps < 1
+        or d.num_groups < 0
+        or d.min_epoch_rounds < 1
+    ):
         raise ConfigError(
-            "dist: staleness >= 0, period >= 1, timeout_s > 0, profile_steps >= 1 and num_groups >= 0 are required"
+            "dist: staleness >= 0, period >= 1, timeout_s > 0, profile_steps >= 1, num_groups >= 0 and "
+            "min_epoch_rounds >= 1 are required"
         )
     if d.compression == "fp16" and d.sync != "bsp":
         raise ConfigError(

@@ -45,6 +45,13 @@ def test_types_are_checked() -> None:
         config_from_dict({"model": {"channels": [8, 16, 32], "strides": [2]}})
 
 
+def test_dist_bounds_are_checked() -> None:
+    assert config_from_dict({"dist": {"min_epoch_rounds": 1}}).dist.min_epoch_rounds == 1
+    for key, bad in (("min_epoch_rounds", 0), ("staleness", -1), ("period", 0), ("timeout_s", 0)):
+        with pytest.raises(ConfigError, match="min_epoch_rounds >= 1"):
+            config_from_dict({"dist": {key: bad}})
+
+
 def test_overrides_parse_yaml_values() -> None:
     data = apply_overrides(
         {"train": {"epochs": 3}}, ["train.epochs=7", "transforms.patch=[16,16,16]", "name=x"]

@@ -13,6 +13,7 @@ from medseg.distributed.groups import (
     calinski_harabasz,
     choose_groups,
     epoch_rounds,
+    fit_wan_factor,
     group_shares,
     kmeans_1d,
     parse_groups,
@@ -258,6 +259,22 @@ def test_epoch_rounds_falls_with_a_common_round_factor() -> None:
     # shares are unchanged by a common factor, so R falls by about that factor
     assert epoch_rounds(70, groups, [6, 2], 2) == 2
     assert epoch_rounds(70, groups, [18, 6], 2) == 0
+
+
+def test_fit_wan_factor_keeps_the_epochs_rounds() -> None:
+    # the benchmark's case: 128 cases, sites of 2 ranks, site a twice as fast (rounds [2, 1]),
+    # batch 1: the base rounds give 21 per epoch, x5 gives 4, x4 gives 5, x3 gives 7
+    groups, base = [[0, 1], [2, 3]], [2, 1]
+    assert [epoch_rounds(128, groups, [p * m for p in base], 1) for m in (1, 3, 4, 5)] == [21, 7, 5, 4]
+    assert fit_wan_factor(9, 128, groups, base, 1, min_rounds=4) == 5
+    assert fit_wan_factor(9, 128, groups, base, 1, min_rounds=6) == 3
+    assert fit_wan_factor(9, 128, groups, base, 1, min_rounds=1) == 9  # nothing to keep
+    assert fit_wan_factor(2, 128, groups, base, 1, min_rounds=6) == 2  # already short enough
+    # an epoch too small for the floor even at the base rounds keeps the base rounds
+    assert epoch_rounds(12, groups, base, 1) == 2
+    assert fit_wan_factor(9, 12, groups, base, 1, min_rounds=6) == 1
+    with pytest.raises(ValueError):
+        fit_wan_factor(9, 128, groups, base, 1, min_rounds=0)
 
 
 def test_profile_throughput() -> None:
