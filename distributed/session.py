@@ -348,7 +348,7 @@ class HorovodSession(LocalSession):
         The factor shrinks until an epoch holds ``dist.min_epoch_rounds`` rounds (or as many as
         rounds of the base periods give): the epoch's end waits for every round in flight, and
         with fewer rounds per epoch the groups drift apart for longer between exchanges (at
-        20 Mbit/s, 4 rounds per epoch cost 0.022 held-out Dice against bsp, 7 rounds 0.004;
+        20 Mbit/s, 4 rounds per epoch cost 0.022 held-out Dice against bsp, 7 rounds 0.013;
         docs/benchmarks.md, "Between hospitals").
         """
         if self.site is not None:
