@@ -369,3 +369,25 @@ def _checkpoint_note(last: Path) -> str:
 def is_worker() -> bool:
     """True inside a rank started by :func:`launch` (or by a user's own horovodrun line)."""
     return os.environ.get(WORKER_ENV) == "1" or "HOROVOD_RANK" in os.environ
+
+
+# Imported by `import monai` (every MONAI submodule is imported eagerly, some of them pull these in
+# through MONAI's optional_import) and never used by a training rank: pytorch-ignite (from
+# monai.utils.enums; it also imports torch.distributed.optim and FSDP), scipy.signal (from
+# monai.data.ultrasound_confidence_map) and pandas (monai.utils.profiling).
+UNUSED_IN_RANKS = ("ignite", "scipy.signal", "pandas")
+
+
+def skip_unused_imports() -> None:
+    """Make the packages of :data:`UNUSED_IN_RANKS` unimportable in this process (a rank).
+
+    They cost about 1.7 s of the 6 s of CPU that ``import monai`` takes here, and a rank under a
+    quarter-core CPU quota (the slow site of ``medseg bench sites``) pays that four times over in
+    wall time, at every launch. MONAI's ``optional_import`` treats an unimportable package as absent
+    and leaves a placeholder that raises only if used. Called before anything imports MONAI, in
+    ranks only: a single-process ``medseg train``, evaluation, the viewer and exported bundles (whose
+    evaluator runs on ignite) import everything as usual.
+    """
+    for name in UNUSED_IN_RANKS:
+        if name not in sys.modules:
+            sys.modules[name] = None  # type: ignore[assignment] - `import name` now raises ImportError

@@ -108,9 +108,10 @@ def _data_validate(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     from medseg.config import load_config
-    from medseg.distributed.launcher import is_worker, launch
-    from medseg.train import train
+    from medseg.distributed.launcher import is_worker, launch, skip_unused_imports
 
+    if is_worker():
+        skip_unused_imports()  # before anything imports MONAI
     cfg = load_config(args.config, args.overrides)
     if args.np is not None and not is_worker():
         launch(
@@ -126,6 +127,8 @@ def _train(args: argparse.Namespace) -> None:
         )
         _print_run(cfg.run_dir)
         return
+    from medseg.train import train  # not before: the launcher itself never trains
+
     result = train(cfg, resume=args.resume, progress=not args.no_progress, straggler=args.straggler)
     if is_worker():
         return  # the launcher reports for the whole job
