@@ -343,11 +343,19 @@ def preview_nifti(
     while voxels(step) > max_voxels:
         step += 1
     import nibabel as nib
+    from isal import igzip  # Intel ISA-L's inflate: the same bytes as gzip's in half the time
 
     try:
-        raw = gzip.decompress(volume.data) if volume.name.endswith(".gz") else volume.data
+        raw = igzip.decompress(volume.data) if volume.name.endswith(".gz") else volume.data
         img = nib.Nifti1Image.from_bytes(raw)
-        data = np.ascontiguousarray(np.asanyarray(img.dataobj.get_unscaled())[::step, ::step, ::step])
+        stored = np.ndarray(  # the stored voxels where they lie in the bytes: only the preview is copied
+            img.shape,
+            dtype=img.dataobj.dtype,
+            buffer=raw,
+            offset=int(img.dataobj.offset),  # where nibabel reads them (a vox_offset of 0 means 352)
+            order="F",
+        )
+        data = np.ascontiguousarray(stored[::step, ::step, ::step])
     except Exception:  # noqa: BLE001 - no preview; the full read says what is wrong
         return None
     affine = volume.affine @ np.diag([step, step, step, 1.0])
