@@ -343,9 +343,10 @@ def preview_nifti(
     while voxels(step) > max_voxels:
         step += 1
     import nibabel as nib
-    from isal import igzip  # Intel ISA-L's inflate: the same bytes as gzip's in half the time
 
     try:
+        from isal import igzip  # Intel ISA-L's inflate: the same bytes as gzip's in half the time
+
         raw = igzip.decompress(volume.data) if volume.name.endswith(".gz") else volume.data
         img = nib.Nifti1Image.from_bytes(raw)
         stored = np.ndarray(  # the stored voxels where they lie in the bytes: only the preview is copied

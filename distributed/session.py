@@ -27,6 +27,7 @@ from medseg.config import Config
 from medseg.distributed import audit
 from medseg.distributed.groups import (
     choose_groups,
+    epoch_rounds,
     fit_wan_factor,
     parse_groups,
     profile_throughput,
@@ -349,7 +350,9 @@ class HorovodSession(LocalSession):
         rounds of the base periods give): the epoch's end waits for every round in flight, and
         with fewer rounds per epoch the groups drift apart for longer between exchanges (at
         20 Mbit/s, 4 rounds per epoch cost 0.022 held-out Dice against bsp, 7 rounds 0.013;
-        docs/benchmarks.md, "Between hospitals").
+        docs/benchmarks.md, "Between hospitals"). With site-local data (``sites:``) the rounds are
+        the measured ones and the floor does not apply: :func:`~medseg.sitedata.site_share` fits the
+        epoch to each site's own cases.
         """
         if self.site is not None:
             from medseg.sitedata import site_share
@@ -364,13 +367,14 @@ class HorovodSession(LocalSession):
         m = fit_wan_factor(
             self.wan_factor, n_items, self.groups, self.base_periods, batch_size, d.min_epoch_rounds
         )
+        need = min(d.min_epoch_rounds, epoch_rounds(n_items, self.groups, self.base_periods, batch_size))
         if m != self.wan_factor:
             if self.is_chief:
                 log.warning(
                     "rounds of %s steps would leave fewer than %d rounds in an epoch of %d cases "
-                    "(dist.min_epoch_rounds): WAN factor %d lowered to %d",
+                    "(dist.min_epoch_rounds, or as many as its base rounds give): WAN factor %d lowered to %d",
                     [p * self.wan_factor for p in self.base_periods],
-                    d.min_epoch_rounds,
+                    need,
                     n_items,
                     self.wan_factor,
                     m,

@@ -114,7 +114,8 @@ class DistConfig:
     # compute covers the measured cross-group exchange (the WAN), see HorovodSession._wan_factor
     hide_wan: bool = True
     # ... but never so long that an epoch holds fewer rounds than this: each round boundary is where
-    # the sites' models meet, and fewer meetings per epoch cost held-out Dice (docs/design.md)
+    # the sites' models meet, and fewer meetings per epoch cost held-out Dice (docs/design.md);
+    # not applied with site-local data (sites:)
     min_epoch_rounds: int = 6
     num_groups: int = 0  # with automatic groups: 0 = chosen by Calinski-Harabasz
     staleness: int = 2  # gssp/ssp: rounds a group may run ahead of the slowest
