@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tests.browser as tb  # noqa: E402
-from tests.browser import Viewport, chrome, free_port, wait_healthy  # noqa: E402
+from tests.browser import Viewport, chrome, serve_app  # noqa: E402
 
 RESULT_TIMEOUT = tb.RESULT_TIMEOUT = (
     1200  # a loaded shared machine can be slow; this measures, it does not gate
@@ -220,86 +219,79 @@ def run_bench(run: Path, steps: int, shots: Path | None, only_first_paint: bool 
     (runs / "model").symlink_to(run.resolve())
     big = big_ct(tmp / "ct-512x512x300.nii.gz")
     small = None if only_first_paint else seg_ct(tmp / "data")
-    port, log = free_port(), tmp / "app.log"
+    log = tmp / "app.log"
     os.environ["MEDSEG_APP_TIMINGS"] = str(tmp / "timings.jsonl")  # the page's stage marks
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "medseg", "app", "--runs", str(runs), "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
     driver = None
-    try:
-        url = f"http://localhost:{port}"
-        wait_healthy(url, proc, log)
-        driver = chrome(tmp / "downloads")
-        # a renderer busy with a large volume may not answer a script call for minutes: measure, not fail
-        driver.command_executor.client_config.timeout = RESULT_TIMEOUT
-        driver.set_script_timeout(RESULT_TIMEOUT)
-        driver.get(url)
-        wait = WebDriverWait(driver, RESULT_TIMEOUT)
-        if only_first_paint:  # the 512 x 512 x 300 CT as the session's first upload, nothing else
-            anchor = anchor_read(big)
-            fp = first_paint(driver, big)
+    with serve_app(runs, log) as url:  # stops the app, and checks its Streamlit server went too
+        try:
+            driver = chrome(tmp / "downloads")
+            # a renderer busy with a large volume may not answer a script call for minutes: measure, not fail
+            driver.command_executor.client_config.timeout = RESULT_TIMEOUT
+            driver.set_script_timeout(RESULT_TIMEOUT)
+            driver.get(url)
+            wait = WebDriverWait(driver, RESULT_TIMEOUT)
+            if only_first_paint:  # the 512 x 512 x 300 CT as the session's first upload, nothing else
+                anchor = anchor_read(big)
+                fp = first_paint(driver, big)
+                print(
+                    f"first paint of 512x512x300 {fp:.1f} s (preview step {first_paint.preview or 'none'}; "
+                    f"full resolution drawn at {first_paint.full_s:.1f} s; anchor: nibabel reads it in {anchor:.1f} s)",
+                    flush=True,
+                )
+                return {
+                    "anchor_read_s": anchor,
+                    "first_paint_per_anchor": fp / anchor,
+                    "first_paint_s": fp,
+                    "first_paint_preview_step": first_paint.preview,
+                    "full_resolution_s": first_paint.full_s,
+                    "first_paint_mb": big.stat().st_size / 2**20,
+                    "first_paint_breakdown": first_paint.breakdown,
+                }
+
+            # 256 x 256 x 128: upload, Run, until the table and the label map are shown
+            t0 = time.time()
+            _upload(driver, small)
+            button = wait.until(
+                lambda d: d.find_element(By.XPATH, "//button[contains(., 'Run segmentation')]")
+            )
+            t_upload = time.time() - t0
+            button.click()
+            wait.until(lambda d: "volume (mL)" in d.find_element(By.TAG_NAME, "body").text)
+            view = Viewport(driver)
+            view.wait_volumes(2)
+            segment_s = time.time() - t0
+            print(f"256x256x128 end to end {segment_s:.1f} s (upload {t_upload:.1f} s)", flush=True)
+            time.sleep(1.0)
+            if shots:
+                shots.mkdir(parents=True, exist_ok=True)
+                _shot(driver, shots / "viewer-multiplanar.png")
+            steps_ms = measure_steps(view, steps)
             print(
-                f"first paint of 512x512x300 {fp:.1f} s (preview step {first_paint.preview or 'none'}; "
-                f"full resolution drawn at {first_paint.full_s:.1f} s; anchor: nibabel reads it in {anchor:.1f} s)",
+                f"scroll median {statistics.median(steps_ms['scroll_ms']):.0f} ms, "
+                f"click median {statistics.median(steps_ms['click_ms']):.0f} ms",
                 flush=True,
             )
-            return {
-                "anchor_read_s": anchor,
-                "first_paint_per_anchor": fp / anchor,
-                "first_paint_s": fp,
-                "first_paint_preview_step": first_paint.preview,
-                "full_resolution_s": first_paint.full_s,
-                "first_paint_mb": big.stat().st_size / 2**20,
-                "first_paint_breakdown": first_paint.breakdown,
-            }
+            if shots:
+                view.js(
+                    "document.querySelector('[data-layout=axial]').click(); document.getElementById('outline').click();"
+                )
+                time.sleep(0.5)
+                _shot(driver, shots / "viewer-axial-outline.png")
+                view.js(
+                    "document.querySelector('[data-layout=multi]').click(); document.getElementById('outline').click();"
+                )
 
-        # 256 x 256 x 128: upload, Run, until the table and the label map are shown
-        t0 = time.time()
-        _upload(driver, small)
-        button = wait.until(lambda d: d.find_element(By.XPATH, "//button[contains(., 'Run segmentation')]"))
-        t_upload = time.time() - t0
-        button.click()
-        wait.until(lambda d: "volume (mL)" in d.find_element(By.TAG_NAME, "body").text)
-        view = Viewport(driver)
-        view.wait_volumes(2)
-        segment_s = time.time() - t0
-        print(f"256x256x128 end to end {segment_s:.1f} s (upload {t_upload:.1f} s)", flush=True)
-        time.sleep(1.0)
-        if shots:
-            shots.mkdir(parents=True, exist_ok=True)
-            _shot(driver, shots / "viewer-multiplanar.png")
-        steps_ms = measure_steps(view, steps)
-        print(
-            f"scroll median {statistics.median(steps_ms['scroll_ms']):.0f} ms, "
-            f"click median {statistics.median(steps_ms['click_ms']):.0f} ms",
-            flush=True,
-        )
-        if shots:
-            view.js(
-                "document.querySelector('[data-layout=axial]').click(); document.getElementById('outline').click();"
+            # 512 x 512 x 300: from the file input to the viewport's first frame of it
+            anchor = anchor_read(big)
+            first_paint_s = first_paint(driver, big)
+            print(
+                f"first paint of 512x512x300 {first_paint_s:.1f} s (preview step {first_paint.preview or 'none'}; "
+                f"full resolution drawn at {first_paint.full_s:.1f} s; anchor {anchor:.1f} s)",
+                flush=True,
             )
-            time.sleep(0.5)
-            _shot(driver, shots / "viewer-axial-outline.png")
-            view.js(
-                "document.querySelector('[data-layout=multi]').click(); document.getElementById('outline').click();"
-            )
-
-        # 512 x 512 x 300: from the file input to the viewport's first frame of it
-        anchor = anchor_read(big)
-        first_paint_s = first_paint(driver, big)
-        print(
-            f"first paint of 512x512x300 {first_paint_s:.1f} s (preview step {first_paint.preview or 'none'}; "
-            f"full resolution drawn at {first_paint.full_s:.1f} s; anchor {anchor:.1f} s)",
-            flush=True,
-        )
-    finally:
-        if driver is not None:
-            driver.quit()
-        proc.terminate()
-        proc.wait(timeout=30)
+        finally:
+            if driver is not None:
+                driver.quit()
     return {
         "segment_s": segment_s,
         "segment_upload_s": t_upload,

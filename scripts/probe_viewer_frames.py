@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_viewer as bv  # noqa: E402
 
-from tests.browser import Viewport, chrome, free_port, wait_healthy  # noqa: E402
+from tests.browser import Viewport, chrome, serve_app  # noqa: E402
 
 FRAMES = r"""
 const nv = window.medsegViewport.nv, gl = nv.gl, buf = new Uint8Array(4);
@@ -70,45 +69,38 @@ def main(argv: list[str] | None = None) -> int:
     runs.mkdir()
     (runs / "model").symlink_to(args.run.resolve())
     ct = bv.seg_ct(tmp / "data")
-    port, log = free_port(), tmp / "app.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "medseg", "app", "--runs", str(runs), "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    log = tmp / "app.log"
     driver = None
     result: dict = {}
-    try:
-        url = f"http://localhost:{port}"
-        wait_healthy(url, proc, log)
-        driver = chrome(tmp / "downloads")
-        driver.get(url)
-        wait = WebDriverWait(driver, 600)
-        bv._upload(driver, ct)
-        wait.until(lambda d: d.find_element(By.XPATH, "//button[contains(., 'Run segmentation')]")).click()
-        wait.until(lambda d: "volume (mL)" in d.find_element(By.TAG_NAME, "body").text)
-        view = Viewport(driver)
-        view.wait_volumes(2)
-        time.sleep(2.0)
-        result["frame_ms"] = [view.js(FRAMES) for _ in range(2)]
+    with serve_app(runs, log) as url:  # stops the app, and checks its Streamlit server went too
+        try:
+            driver = chrome(tmp / "downloads")
+            driver.get(url)
+            wait = WebDriverWait(driver, 600)
+            bv._upload(driver, ct)
+            wait.until(
+                lambda d: d.find_element(By.XPATH, "//button[contains(., 'Run segmentation')]")
+            ).click()
+            wait.until(lambda d: "volume (mL)" in d.find_element(By.TAG_NAME, "body").text)
+            view = Viewport(driver)
+            view.wait_volumes(2)
+            time.sleep(2.0)
+            result["frame_ms"] = [view.js(FRAMES) for _ in range(2)]
 
-        def steps(tag: str) -> None:
-            got = bv.measure_steps(view, args.steps)
-            result[f"step_ms {tag}"] = {k: round(statistics.median(v), 1) for k, v in got.items()}
+            def steps(tag: str) -> None:
+                got = bv.measure_steps(view, args.steps)
+                result[f"step_ms {tag}"] = {k: round(statistics.median(v), 1) for k, v in got.items()}
 
-        steps("as is")
-        view.js("window.medsegViewport.nv.onLocationChange = () => {};")
-        steps("no readout")
-        view.js("window.medsegViewport.nv.setSliceType(0);")
-        steps("axial, no readout")
-        view.js("const nv = window.medsegViewport.nv; nv.setSliceType(3); nv.setInterpolation(true);")
-        steps("nearest, no readout")
-    finally:
-        if driver is not None:
-            driver.quit()
-        proc.terminate()
-        proc.wait(timeout=20)
+            steps("as is")
+            view.js("window.medsegViewport.nv.onLocationChange = () => {};")
+            steps("no readout")
+            view.js("window.medsegViewport.nv.setSliceType(0);")
+            steps("axial, no readout")
+            view.js("const nv = window.medsegViewport.nv; nv.setSliceType(3); nv.setInterpolation(true);")
+            steps("nearest, no readout")
+        finally:
+            if driver is not None:
+                driver.quit()
     print(json.dumps(result, indent=1))
     return 0
 
