@@ -507,13 +507,22 @@ def check_training_items(
     task: str,
     where: str,
     hint: str = "",
+    cases: Sequence[Mapping[str, Any]] | None = None,
 ) -> None:
     """What ``train`` and ``evaluate`` check before using a labelled set (``validate`` reports the same).
 
-    Declared labels 0..n-1, no duplicate case, and per case: NIfTI headers (size, affine policy),
-    image/label grids equal, label values integral and declared (label voxels are read, images are not).
+    Declared labels 0..n-1, no duplicate case, and per case (:func:`case_problems`): NIfTI headers
+    (size, affine policy), image/label grids equal, label values integral and declared (label voxels
+    are read, images are not). ``cases``: the items whose files are checked (default all of
+    ``items``); a rank of a multi-rank job checks only the cases it loads.
     """
     problems = declared_label_problems(labels, where, task) + duplicate_problems(items)
+    raise_problems(problems + case_problems(items if cases is None else cases, labels, task), hint)
+
+
+def case_problems(items: Sequence[Mapping[str, Any]], labels: Mapping[int, str], task: str) -> list[str]:
+    """The per-case part of :func:`check_training_items`: each case's files, one message per problem."""
+    problems: list[str] = []
     for item in items:
         image_path = str(item["image"])
         if task == "classification":
@@ -551,4 +560,4 @@ def check_training_items(
             )
             continue
         problems += label_value_problems(np.unique(data), labels, label_path)
-    raise_problems(problems, hint)
+    return problems

@@ -36,7 +36,7 @@ from medseg.distributed.groups import (
 )
 from medseg.distributed.heartbeat import BeatClient
 from medseg.distributed.straggler import Straggler
-from medseg.errors import ConfigError
+from medseg.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,12 @@ class HorovodSession(LocalSession):
 
         from medseg.distributed.channel import Channel
 
+        if os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") and not hvd.gloo_built():
+            # the launcher's horovodrun leaves this question to the ranks (medseg.distributed.hvdrun)
+            raise RunError(
+                "this Python's Horovod was built without Gloo, which `medseg train --np` launches with; "
+                "run `make setup` (it builds Horovod with HOROVOD_WITH_GLOO=1)"
+            )
         rank = int(os.environ.get("HOROVOD_RANK", "0"))
         self.beats = BeatClient(rank)  # first, so the launcher hears from this rank at once
         self.beats.send({"ev": "started", "pid": os.getpid()})

@@ -108,7 +108,7 @@ def _data_validate(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     from medseg.config import load_config
-    from medseg.distributed.launcher import is_worker, launch, skip_unused_imports
+    from medseg.distributed.launcher import end_rank, is_worker, launch, skip_unused_imports
 
     if is_worker():
         skip_unused_imports()  # before anything imports MONAI
@@ -131,7 +131,7 @@ def _train(args: argparse.Namespace) -> None:
 
     result = train(cfg, resume=args.resume, progress=not args.no_progress, straggler=args.straggler)
     if is_worker():
-        return  # the launcher reports for the whole job
+        end_rank()  # the launcher reports for the whole job
     best = (
         f"{result.best_metric:.4f} at epoch {result.best_epoch}" if result.best_metric is not None else "n/a"
     )
@@ -515,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", type=Path, required=True, help="write the results here")
     s.add_argument("--markdown", type=Path, help="update this markdown file's sites section")
     s.add_argument("--seeds", type=int, help="seeds per config (default 3, --quick 1)")
-    s.add_argument("--epochs", type=int, help="epochs per run (default 8, --quick 5)")
+    s.add_argument("--epochs", type=int, help="epochs per run (default 8, --quick 4)")
     s.add_argument("--scenarios", help="comma-separated subset of lan,wan100,wan20")
     s.add_argument(
         "--configs", help="comma-separated subset of bsp-none,bsp-fp16,bsp-fixed4,local-sgd,gssp,gssp-fixed4"

@@ -100,20 +100,36 @@ def _rss_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
 
 
-def read_dataset(cfg: Config, data_dir: str | None = None) -> tuple[DatasetInfo, list[dict], list[dict]]:
+def read_dataset(
+    cfg: Config, data_dir: str | None = None, check_cases: bool = True
+) -> tuple[DatasetInfo, list[dict], list[dict]]:
     """Read the dataset in ``data_dir`` (default ``cfg.data.dir``; headers only) and split it: info,
-    train, validation. With site-local data each site splits its own cases the same way."""
+    train, validation. With site-local data each site splits its own cases the same way.
+
+    ``check_cases=False`` leaves each case's files unchecked (the labels and duplicates are still
+    checked): a rank of a multi-rank job checks only the cases it loads, in :func:`make_train_data`.
+    """
     info = load_dataset(data_dir or cfg.data.dir)
     if info.task != cfg.task:
         raise ConfigError(f"task: config says {cfg.task!r} but {info.json_path} holds a {info.task} dataset")
     if len(info.training) < 2:
         raise DataError(f"{info.json_path}: needs at least 2 training cases, found {len(info.training)}")
-    # the checks `medseg data validate` makes (label values read, images' headers only)
-    checks.check_training_items(
-        info.training, info.labels, info.task, str(info.json_path), f"run `medseg data validate {info.root}`"
-    )
+    _check(info, None if check_cases else [])
     train_items, val_items = split_train_val(info.training, cfg.data.val_fraction, cfg.train.seed)
     return info, train_items, val_items
+
+
+def _check(info: DatasetInfo, cases: list[dict] | None) -> None:
+    """The checks `medseg data validate` makes (label values read, images' headers only), on the
+    files of ``cases`` (None: every case)."""
+    checks.check_training_items(
+        info.training,
+        info.labels,
+        info.task,
+        str(info.json_path),
+        f"run `medseg data validate {info.root}`",
+        cases=cases,
+    )
 
 
 def _chains(cfg: Config) -> tuple[mt.Compose, mt.Compose]:
@@ -138,6 +154,7 @@ def make_train_data(
     cfg: Config,
     session: LocalSession | None = None,
     split: tuple[DatasetInfo, list[dict], list[dict]] | None = None,
+    check_cases: bool = False,
 ) -> TrainData:
     """Build cached datasets and loaders over this rank's own cases (all of them in one process).
 
@@ -150,6 +167,8 @@ def make_train_data(
     own, per_epoch = session.own_cases(len(train_items), cfg.train.batch_size, cfg.train.seed)
     mine = [train_items[i] for i in own]
     val_items = val_items if session.validates else []
+    if check_cases:  # ``split`` was read without them: every case is loaded, so checked, by one rank
+        _check(info, mine + val_items)
     train_chain, val_chain = _chains(cfg)
     log.info(
         "%s: %d training cases (%d of them this rank's), %d validation cases",

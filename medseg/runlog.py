@@ -7,11 +7,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
-
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
@@ -32,7 +27,13 @@ def plot_learning_curve(records: list[dict[str, Any]], key_metric: str, path: st
     """Training loss and the key validation metric against epoch, as a PNG.
 
     A site-local run (records with ``sites``) gets one line of the key metric per site, dashed, beside
-    the pooled one."""
+    the pooled one. matplotlib is imported here, not with the module: ranks other than 0 never plot
+    and do not import it (``medseg.distributed.launcher.UNUSED_IN_OTHER_RANKS``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     path = Path(path)
     epochs = [r["epoch"] for r in records]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def steps(tag: str) -> None:
                 got = bv.measure_steps(view, args.steps)
-                result[f"step_ms {tag}"] = {k: round(statistics.median(v), 1) for k, v in got.items()}
+                result[f"step_ms {tag}"] = {k: round(statistics.median(v), 1) for k, v in got.items() if v}
 
             steps("as is")
             view.js("window.medsegViewport.nv.onLocationChange = () => {};")

@@ -138,10 +138,25 @@ def test_viewer_in_chromium(server, browser, seg_run, seg_data, tmp_path: Path) 
     x, y = left + 0.5 * width, top + 0.5 * height
     view.click(x, y)
     before = view.location()["ras"]
+    full = view.js("return window.medsegViewport.nv.canvas.width")
+    view.js("window.medsegViewport.motionRestMs = 4000;")  # (200 ms) long enough to look at it here
     view.wheel(x, y, -120)
     WebDriverWait(browser, 10).until(lambda _: view.location()["ras"][2] != before[2])
     after = view.location()["ras"]
     assert abs(after[2] - before[2]) == 1 and after[:2] == before[:2]
+    # no GPU here (SwiftShader): while the wheel turns the viewport draws at half resolution, says
+    # so under the viewer, and is back at full resolution once scrolling rests (viewport.js)
+    assert "SwiftShader" in view.js("return window.medsegViewport.software")
+    assert "half resolution" in view.js("return document.getElementById('soft').textContent")
+    moving = view.js("return window.medsegViewport.nv.canvas.width")
+    WebDriverWait(browser, 10).until(
+        lambda _: view.js("return window.medsegViewport.nv.canvas.width") == full
+    )
+    view.js("window.medsegViewport.motionRestMs = 200;")
+    assert abs(moving - full / 2) <= 1, (moving, full)
+    # the same crosshair at either resolution: a click lands on the voxel it did before the scroll
+    view.click(left + 0.3 * width, top + 0.5 * height)
+    assert view.location()["mm"][:2] == pytest.approx(points[0][:2], abs=1e-6)
 
     # right-drag: window/level changes
     lo, hi = view.window()

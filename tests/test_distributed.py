@@ -95,6 +95,9 @@ def test_gssp_fixed4_trains_like_bsp_and_keeps_the_staleness_bound(dist_data: Pa
     }
     unused = ("/site-packages/ignite/", "/site-packages/pandas/", "/site-packages/scipy/signal/")
     assert not [line for line in loaded if any(u in line for u in unused)][:3]
+    # matplotlib (launcher.UNUSED_IN_OTHER_RANKS): rank 0 plots the learning curve, the others never load it
+    plots = {line.split("<stderr>", 1)[0] for line in loaded if "/site-packages/matplotlib/" in line}
+    assert plots == {"[0]"}, plots
     proc = medseg("train", "--config", str(gssp), "--np", "4", "--straggler", "3:2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     a = read_metrics(tmp_path / "runs" / "bsp" / "metrics.jsonl")

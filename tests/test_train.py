@@ -158,3 +158,39 @@ def test_best_checkpoint_is_the_epoch_with_the_highest_auc_then_accuracy(cls_run
     state = load_checkpoint(cls_run.run_dir / "checkpoints" / "best.pt")
     top = max(records, key=lambda r: (r["val_auc"], r["val_accuracy"], -r["epoch"]))
     assert state["epoch"] == top["epoch"], records
+
+
+def test_each_rank_checks_the_files_of_the_cases_it_loads(seg_data: Path, tmp_path: Path) -> None:
+    """With several ranks, read_dataset leaves case files to make_train_data, which checks this rank's own."""
+    import shutil
+
+    import nibabel as nib
+    import numpy as np
+
+    from medseg.data import make_train_data, read_dataset
+    from medseg.datasets.nifti import save_nifti
+    from medseg.distributed import LocalSession
+    from medseg.errors import DataError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(seg_data, bad)
+    cfg = tiny_seg_config(bad, tmp_path, name="bad")
+    info, train_items, val_items = read_dataset(cfg)
+    label = Path(train_items[1]["label"])
+    img = nib.load(label)
+    save_nifti(np.asarray(img.dataobj)[:-2], img.affine, label)
+    with pytest.raises(DataError, match=f"{label.name}: label shape"):
+        read_dataset(cfg)  # one process: every case, at once
+    split = read_dataset(cfg, check_cases=False)  # a rank of several: nothing read yet
+
+    class Rank(LocalSession):
+        def __init__(self, own: list[int]) -> None:
+            self.own = own
+
+        def own_cases(self, n_items: int, batch_size: int, seed: int) -> tuple[list[int], int | None]:
+            return self.own, None
+
+    others = [i for i in range(len(train_items)) if i != 1]
+    make_train_data(cfg, Rank(others), split, check_cases=True)  # not this rank's case: not its error
+    with pytest.raises(DataError, match=f"{label.name}: label shape"):
+        make_train_data(cfg, Rank([0, 1]), split, check_cases=True)

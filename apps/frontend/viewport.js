@@ -19,6 +19,9 @@
     // wall-clock ms of the last new scan's steps: message in, parsed, added, drawn (the benchmark
     // reads it); preview: n when that scan was a reduced-resolution preview (every n-th voxel)
     timeline: {},
+    // software WebGL: the renderer's name (null with a GPU); motion: scrolling draws at reduced
+    // resolution (on with software WebGL; the benchmark switches it off for its full-resolution anchor)
+    software: null, motion: false, motionRestMs: 200,
   };
   window.medsegViewport = state; // read by the browser tests and the benchmark
 
@@ -283,8 +286,8 @@
     const keys = { m: "multi", a: "axial", c: "coronal", s: "sagittal", r: "render" };
     document.getElementById("gl").addEventListener("keydown", (e) => {
       if (keys[e.key]) setLayout(keys[e.key]);
-      else if (e.key === "ArrowUp" || e.key === "PageUp") step(1);
-      else if (e.key === "ArrowDown" || e.key === "PageDown") step(-1);
+      else if (e.key === "ArrowUp" || e.key === "PageUp") { inMotion(); step(1); }
+      else if (e.key === "ArrowDown" || e.key === "PageDown") { inMotion(); step(-1); }
       else if (e.key === "+" || e.key === "=") zoom(1.25);
       else if (e.key === "-") zoom(0.8);
       else if (e.key === "0") document.getElementById("reset").click();
@@ -337,6 +340,54 @@
     nv.drawNow = draw;
   }
 
+  // Motion resolution. Without a GPU (Chrome's SwiftShader, Mesa's llvmpipe) a frame costs time in
+  // proportion to its pixels: measured 43-62 ms from a wheel step to the finished frame of a 745 x 600
+  // canvas on 2 cores, against the 50 ms a scroll step may take (docs/benchmarks.md, "viewer"). There,
+  // while slices are scrolled (wheel, arrow and page keys) every frame is drawn at MOTION_SCALE of the
+  // resolution along each axis (a quarter of the pixels, scaled up by the browser), and at full
+  // resolution again once scrolling has rested for state.motionRestMs, or at once when a button is
+  // pressed (a click, a brush stroke and a drag act on the full-resolution frame). Only the drawn
+  // pixels change: crosshair, readout, mm and labels are the same at either resolution. The page
+  // says so under the viewer. With a GPU a frame costs well under a millisecond, and nothing changes.
+  const MOTION_SCALE = 0.5;
+  let motionRest = 0, motionViewers = [];
+
+  function softwareRenderer(gl) {
+    const info = gl.getExtension("WEBGL_debug_renderer_info");
+    const name = String(gl.getParameter(info ? info.UNMASKED_RENDERER_WEBGL : gl.RENDERER) || "");
+    return /swiftshader|llvmpipe|softpipe|software/i.test(name) ? name : null;
+  }
+
+  function drawScale(viewers, k) {
+    for (const v of viewers) {
+      v.opts.forceDevicePixelRatio = k === 1 ? 0 : (window.devicePixelRatio || 1) * k; // 0: the screen's
+      v.resizeListener(); // canvas size from the ratio, then a (deferred) frame
+    }
+  }
+
+  function fullResolution() {
+    if (!motionRest) return;
+    clearTimeout(motionRest);
+    motionRest = 0;
+    drawScale(motionViewers, 1);
+  }
+
+  function inMotion() {
+    if (!state.motion) return;
+    if (motionRest) clearTimeout(motionRest);
+    else {
+      motionViewers = [state.nv, state.sideId ? state.nv2 : null].filter(Boolean); // linked: both move
+      drawScale(motionViewers, MOTION_SCALE);
+    }
+    motionRest = setTimeout(fullResolution, state.motionRestMs);
+  }
+
+  // before NiiVue's own handlers on the canvas (capture), so they see the resolution they draw at
+  function watchMotion(canvas) {
+    canvas.addEventListener("wheel", inMotion, { capture: true, passive: true });
+    canvas.addEventListener("pointerdown", fullResolution, { capture: true });
+  }
+
   // Resolves once the GPU has finished everything asked of it so far, without blocking the page
   // (a WebGL 2 fence, polled).
   function gpuDone(gl) {
@@ -358,6 +409,13 @@
     const nv = new niivue.Niivue(options());
     await nv.attachToCanvas(canvas);
     oneFramePerTick(nv);
+    state.software = softwareRenderer(nv.gl);
+    state.motion = !!state.software;
+    watchMotion(canvas);
+    if (state.software) {
+      document.getElementById("soft").textContent = "No GPU in this browser (software WebGL): while you scroll, " +
+        "slices are drawn at half resolution; at full resolution again as soon as you stop.";
+    }
     nv.onLocationChange = showLocation;
     nv.onDrawingChanged = (action) => { if (action === "draw" || action === "undo") syncEdits(); };
     // NiiVue 0.69.0 draws each pen segment from the new point towards the previous one, leaving the
@@ -397,6 +455,7 @@
       state.nv2 = new niivue.Niivue(options());
       await state.nv2.attachToCanvas(document.getElementById("gl2"));
       oneFramePerTick(state.nv2);
+      watchMotion(state.nv2.canvas);
     }
     const nv2 = state.nv2;
     const scan = await loadNifti(args.volume, args.volume_name || "scan.nii");
