@@ -76,6 +76,7 @@ DICE_TARGET = 0.8  # held-out Dice every config must reach (full run)
 # slowest config 0.672 (one seed, seventh session's 5-epoch run); the seeded run carries the 0.8 level.
 QUICK_DICE_TARGET = 0.65
 EPOCHS, QUICK_EPOCHS = 8, 4
+MIN_SEEDS_FOR_DICE_BAND = 3  # the "within 0.02 of bsp-none" check needs the mean of this many seeds
 MAX_EPOCHS_FACTOR = 2  # a config that has not reached the target after the equal epochs may go on this far
 MODEL = {"name": "unet", "channels": [16, 32, 64], "strides": [2, 2], "num_res_units": 1}
 LR = 0.01
@@ -484,7 +485,10 @@ def check_targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
         # the Dice level at which "within 0.02" is judged: the seeded run's 0.8, the quick run's target
         base, level = c["bsp-none"]["dice_equal_epochs"] or 0, result["dice_target"]
         checks.append((f"wan20: bsp-none Dice at equal epochs >= {level} (got {base:.3f})", base >= level))
-        for name in c:
+        # The 0.02 band is judged on the mean of 3 seeds (issue 9): one seed cannot resolve it. The
+        # same seed's Dice after 4 epochs differed by 0.06 between two runs of gssp (its rounds follow
+        # measured timings); the quick run's table shows the one-seed figures without judging them.
+        for name in c if result["seeds"] >= MIN_SEEDS_FOR_DICE_BAND else ():
             if name != "bsp-none":
                 d = q[name]["dice_delta"]
                 checks.append(
@@ -685,6 +689,12 @@ def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None) 
         f"included) to the first epoch whose held-out validation reaches the target, the validations themselves "
         f"excluded; 'from launch' adds start-up (ssh launch, imports, data caching), the same work for every config. "
         f"Samples/s is over the whole job. {result.get('setting', {}).get('note', '')}"
+        + (
+            f" With {result['seeds']} seed(s) the Dice at equal epochs is shown, not judged: the 0.02 band "
+            f"against bsp-none is checked on the mean of {MIN_SEEDS_FOR_DICE_BAND} seeds (the seeded run)."
+            if result["seeds"] < MIN_SEEDS_FOR_DICE_BAND
+            else ""
+        )
     )
     # the quick run and the seeded run keep separate sections (and plots) of the markdown file
     tag = "sites" if result["quick"] else "sites-full"

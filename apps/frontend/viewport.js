@@ -365,11 +365,14 @@
     }
   }
 
-  function fullResolution() {
+  // ``now``: draw at once. NiiVue maps a pointer to a tile with the layout of the last frame drawn,
+  // so before it handles a button press the full-resolution frame must have been drawn.
+  function fullResolution(now) {
     if (!motionRest) return;
     clearTimeout(motionRest);
     motionRest = 0;
     drawScale(motionViewers, 1);
+    if (now === true) for (const v of motionViewers) v.drawNow();
   }
 
   function inMotion() {
@@ -382,10 +385,12 @@
     motionRest = setTimeout(fullResolution, state.motionRestMs);
   }
 
-  // before NiiVue's own handlers on the canvas (capture), so they see the resolution they draw at
+  // A wheel step goes to NiiVue first (its listener, added by attachToCanvas, comes before this
+  // one), which finds the tile under the pointer in the layout of the last frame; the resolution
+  // changes after. A button press restores full resolution before NiiVue sees it (capture).
   function watchMotion(canvas) {
-    canvas.addEventListener("wheel", inMotion, { capture: true, passive: true });
-    canvas.addEventListener("pointerdown", fullResolution, { capture: true });
+    canvas.addEventListener("wheel", inMotion, { passive: true });
+    canvas.addEventListener("pointerdown", () => fullResolution(true), { capture: true });
   }
 
   // Resolves once the GPU has finished everything asked of it so far, without blocking the page
