@@ -6,18 +6,25 @@ Run as a file (:func:`medseg.distributed.launcher.horovodrun_command`), not with
 ``horovodrun --gloo`` first asks whether Horovod was built with Gloo (``horovod.common.util.gloo_built``).
 It answers by forking a child per framework extension that imports it (``horovod.tensorflow``, then
 ``horovod.torch`` with all of PyTorch), on every launch: measured here (``cProfile`` of one
-``horovodrun -np 4 --gloo`` through the sites testbed) 2.2 s of the 3.4 s between the launch and the
+``horovodrun -np 4 --gloo`` through the sites testbed) 2.2 s of the 4.0 s between the launch and the
 ranks' first line, before any rank starts. A job of ``medseg bench sites`` pays it per run.
 
 Here the question goes to each rank instead, where the answer costs nothing: the rank has already
 imported ``horovod.torch``, and :class:`medseg.distributed.session.HorovodSession` refuses to start
 (exit 2, naming ``make setup``) when its Horovod lacks Gloo. Everything else is Horovod's
-``run_commandline`` as ``horovodrun`` runs it: arguments, ssh launch, rendezvous, exit status.
+``run_commandline`` as ``horovodrun`` runs it: arguments, ssh launch, rendezvous, exit status
+(except ``--check-build``, which through this file always lists Gloo).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+
+# Run as a file, Python put this file's folder first on the path, where its neighbours (session,
+# sync, compression, ...) would stand in for top-level modules of the same names: take it off.
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
 
 
 def main() -> int:

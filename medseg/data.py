@@ -106,15 +106,17 @@ def read_dataset(
     """Read the dataset in ``data_dir`` (default ``cfg.data.dir``; headers only) and split it: info,
     train, validation. With site-local data each site splits its own cases the same way.
 
-    ``check_cases=False`` leaves each case's files unchecked (the labels and duplicates are still
-    checked): a rank of a multi-rank job checks only the cases it loads, in :func:`make_train_data`.
+    ``check_cases=False`` leaves the case files unchecked but the first case's (the labels and
+    duplicates are still checked): a rank of a multi-rank job checks the cases it loads, in
+    :func:`make_train_data`.
     """
     info = load_dataset(data_dir or cfg.data.dir)
     if info.task != cfg.task:
         raise ConfigError(f"task: config says {cfg.task!r} but {info.json_path} holds a {info.task} dataset")
     if len(info.training) < 2:
         raise DataError(f"{info.json_path}: needs at least 2 training cases, found {len(info.training)}")
-    _check(info, None if check_cases else [])
+    # without case checks, the first case still is: its header gives the dataset's facts (sitedata)
+    _check(info, None if check_cases else info.training[:1])
     train_items, val_items = split_train_val(info.training, cfg.data.val_fraction, cfg.train.seed)
     return info, train_items, val_items
 

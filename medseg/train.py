@@ -189,7 +189,9 @@ def _train(
     session.phase("load")
     # with sites: this rank's own site's folder only. With several ranks each checks the files of
     # the cases it loads (make_train_data), not all of them: at a quarter core, 160 cases' checks
-    # took a rank 1.9 s of its start.
+    # took a rank 1.9 s of its start. Those checks come after train_start (a rank knows its cases
+    # once the groups are formed), so time to accuracy includes them: rank 0's 64-75 cases in the
+    # sites benchmark, about 0.4 s at its half core, the same for every config.
     several = session.size > 1
     split = read_dataset(cfg, session.data_dir(cfg), check_cases=not several)
     if cfg.sites:

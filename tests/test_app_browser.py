@@ -148,15 +148,19 @@ def test_viewer_in_chromium(server, browser, seg_run, seg_data, tmp_path: Path) 
     # so under the viewer, and is back at full resolution once scrolling rests (viewport.js)
     assert "SwiftShader" in view.js("return window.medsegViewport.software")
     assert "half resolution" in view.js("return document.getElementById('soft').textContent")
-    moving = view.js("return window.medsegViewport.nv.canvas.width")
-    WebDriverWait(browser, 10).until(
-        lambda _: view.js("return window.medsegViewport.nv.canvas.width") == full
-    )
-    view.js("window.medsegViewport.motionRestMs = 200;")
+    width_now = lambda _=None: view.js("return window.medsegViewport.nv.canvas.width")  # noqa: E731
+    moving = width_now()
     assert abs(moving - full / 2) <= 1, (moving, full)
-    # the same crosshair at either resolution: a click lands on the voxel it did before the scroll
+    # a click while scrolling acts on the full-resolution frame, drawn at once: it lands on the
+    # voxel the same click found before the scroll
     view.click(left + 0.3 * width, top + 0.5 * height)
+    assert width_now() == full
     assert view.location()["mm"][:2] == pytest.approx(points[0][:2], abs=1e-6)
+    # and without a click, full resolution comes back once scrolling has rested
+    view.wheel(x, y, -120)
+    WebDriverWait(browser, 10).until(lambda _: width_now() < full)
+    WebDriverWait(browser, 10).until(lambda _: width_now() == full)
+    view.js("window.medsegViewport.motionRestMs = 200;")
 
     # right-drag: window/level changes
     lo, hi = view.window()

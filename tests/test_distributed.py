@@ -243,3 +243,32 @@ def test_long_loading_and_validation_never_trip_the_watchdog(dist_data: Path, tm
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "fault injection: rank 1 spends 45 s more in load" in proc.stdout + proc.stderr
     assert [r["epoch"] for r in read_metrics(tmp_path / "runs" / "slow" / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_bad_case_in_a_multi_rank_job_is_named_by_the_rank_that_loads_it(
+    dist_data: Path, tmp_path: Path
+) -> None:
+    """Each rank checks only its own cases' files (medseg.data.make_train_data); every case is some
+    rank's, so a bad label map stops the job with its name, exit 2, and no run folder left behind."""
+    import shutil
+
+    import nibabel as nib
+    import numpy as np
+
+    from medseg.data import read_dataset
+    from medseg.datasets.nifti import save_nifti
+
+    bad = tmp_path / "bad"
+    shutil.copytree(dist_data, bad)
+    cfg_path = write_config(tmp_path, bad, "badcase", {"sync": "bsp"})
+    from medseg.config import load_config
+
+    _, train_items, _ = read_dataset(load_config(cfg_path, []))
+    label = Path(train_items[-1]["label"])  # not the first case: that one is checked by every rank
+    img = nib.load(label)
+    save_nifti(np.asarray(img.dataobj)[:-2], img.affine, label)
+    proc = medseg("train", "--config", str(cfg_path), "--np", "2")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert f"{label.name}: label shape" in out, out[-3000:]
+    assert not (tmp_path / "runs" / "badcase" / "checkpoints").exists()

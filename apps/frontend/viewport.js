@@ -358,21 +358,21 @@
     return /swiftshader|llvmpipe|softpipe|software/i.test(name) ? name : null;
   }
 
+  // NiiVue maps a pointer to a tile with the layout of the last frame it drew, and the ratio of the
+  // current canvas size: the frame at the new size is drawn at once, so the two never disagree.
   function drawScale(viewers, k) {
     for (const v of viewers) {
       v.opts.forceDevicePixelRatio = k === 1 ? 0 : (window.devicePixelRatio || 1) * k; // 0: the screen's
-      v.resizeListener(); // canvas size from the ratio, then a (deferred) frame
+      v.resizeListener(); // canvas size from the ratio
+      v.drawNow();
     }
   }
 
-  // ``now``: draw at once. NiiVue maps a pointer to a tile with the layout of the last frame drawn,
-  // so before it handles a button press the full-resolution frame must have been drawn.
-  function fullResolution(now) {
+  function fullResolution() {
     if (!motionRest) return;
     clearTimeout(motionRest);
     motionRest = 0;
     drawScale(motionViewers, 1);
-    if (now === true) for (const v of motionViewers) v.drawNow();
   }
 
   function inMotion() {
@@ -390,7 +390,7 @@
   // changes after. A button press restores full resolution before NiiVue sees it (capture).
   function watchMotion(canvas) {
     canvas.addEventListener("wheel", inMotion, { passive: true });
-    canvas.addEventListener("pointerdown", () => fullResolution(true), { capture: true });
+    canvas.addEventListener("pointerdown", fullResolution, { capture: true });
   }
 
   // Resolves once the GPU has finished everything asked of it so far, without blocking the page
