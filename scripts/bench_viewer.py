@@ -278,6 +278,26 @@ def breakdown(t0: float, view: Viewport) -> dict[str, float]:
     return out
 
 
+def measure_first_paint(driver, big: Path) -> dict:
+    """:func:`first_paint` of ``big`` with its same-run anchor (:func:`anchor_read`), printed."""
+    anchor = anchor_read(big)
+    fp = first_paint(driver, big)
+    print(
+        f"first paint of 512x512x300 {fp:.1f} s (preview step {first_paint.preview or 'none'}; "
+        f"full resolution drawn at {first_paint.full_s:.1f} s; anchor: nibabel reads it in {anchor:.1f} s)",
+        flush=True,
+    )
+    return {
+        "anchor_read_s": anchor,
+        "first_paint_per_anchor": fp / anchor,
+        "first_paint_s": fp,
+        "first_paint_preview_step": first_paint.preview,
+        "full_resolution_s": first_paint.full_s,
+        "first_paint_mb": big.stat().st_size / 2**20,
+        "first_paint_breakdown": first_paint.breakdown,
+    }
+
+
 def run_bench(run: Path, steps: int, shots: Path | None, only_first_paint: bool = False) -> dict:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -300,22 +320,7 @@ def run_bench(run: Path, steps: int, shots: Path | None, only_first_paint: bool 
             driver.get(url)
             wait = WebDriverWait(driver, RESULT_TIMEOUT)
             if only_first_paint:  # the 512 x 512 x 300 CT as the session's first upload, nothing else
-                anchor = anchor_read(big)
-                fp = first_paint(driver, big)
-                print(
-                    f"first paint of 512x512x300 {fp:.1f} s (preview step {first_paint.preview or 'none'}; "
-                    f"full resolution drawn at {first_paint.full_s:.1f} s; anchor: nibabel reads it in {anchor:.1f} s)",
-                    flush=True,
-                )
-                return {
-                    "anchor_read_s": anchor,
-                    "first_paint_per_anchor": fp / anchor,
-                    "first_paint_s": fp,
-                    "first_paint_preview_step": first_paint.preview,
-                    "full_resolution_s": first_paint.full_s,
-                    "first_paint_mb": big.stat().st_size / 2**20,
-                    "first_paint_breakdown": first_paint.breakdown,
-                }
+                return measure_first_paint(driver, big)
 
             # 256 x 256 x 128: upload, Run, until the table and the label map are shown
             t0 = time.time()
@@ -339,7 +344,7 @@ def run_bench(run: Path, steps: int, shots: Path | None, only_first_paint: bool 
                 f"scroll median {steps_ms['scroll_ms']:.0f} ms in the page "
                 f"({steps_ms['scroll_webdriver_ms']:.0f} ms WebDriver step; full resolution "
                 f"{steps_ms['scroll_full_resolution_ms']:.0f} / {steps_ms['scroll_full_resolution_webdriver_ms']:.0f} ms; "
-                f"full resolution back {steps_ms['full_resolution_back_ms']} ms after the last step), "
+                f"full resolution back {_ms(steps_ms['full_resolution_back_ms'])} after the last step), "
                 f"click median {steps_ms['click_ms']:.0f} ms",
                 flush=True,
             )
@@ -354,26 +359,14 @@ def run_bench(run: Path, steps: int, shots: Path | None, only_first_paint: bool 
                 )
 
             # 512 x 512 x 300: from the file input to the viewport's first frame of it
-            anchor = anchor_read(big)
-            first_paint_s = first_paint(driver, big)
-            print(
-                f"first paint of 512x512x300 {first_paint_s:.1f} s (preview step {first_paint.preview or 'none'}; "
-                f"full resolution drawn at {first_paint.full_s:.1f} s; anchor {anchor:.1f} s)",
-                flush=True,
-            )
+            painted = measure_first_paint(driver, big)
         finally:
             if driver is not None:
                 driver.quit()
     return {
         "segment_s": segment_s,
         "segment_upload_s": t_upload,
-        "first_paint_s": first_paint_s,
-        "first_paint_preview_step": first_paint.preview,
-        "full_resolution_s": first_paint.full_s,
-        "anchor_read_s": anchor,
-        "first_paint_per_anchor": first_paint_s / anchor,
-        "first_paint_breakdown": first_paint.breakdown,
-        "first_paint_mb": big.stat().st_size / 2**20,
+        **painted,
         **steps_ms,
         "steps": steps,
     }
