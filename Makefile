@@ -65,14 +65,14 @@ browser:
 	  ($(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver)
 
 # Debian's sshd, iproute2 (ip, tc) and util-linux (unshare, nsenter) for the emulated hospital
-# network (`medseg sites`, tests/test_sites.py); installed only when missing.
+# network (`medseg sites`, tests/testbed/test_sites.py); installed only when missing.
 sites-deps:
 	test -x /usr/sbin/sshd && command -v ssh >/dev/null && command -v ip >/dev/null && command -v tc >/dev/null && \
 	  command -v unshare >/dev/null && command -v nsenter >/dev/null || \
 	  ($(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
 	    openssh-server openssh-client iproute2 util-linux)
 
-# Debian's dcm2niix, the independent DICOM -> NIfTI converter that tests/test_dicom_multiframe.py
+# Debian's dcm2niix, the independent DICOM -> NIfTI converter that tests/datasets/test_dicom_multiframe.py
 # checks medseg's DICOM geometry against; installed only when missing.
 dicom-deps:
 	command -v dcm2niix >/dev/null || \

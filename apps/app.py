@@ -24,7 +24,7 @@ from medseg.apps.export import dicom_seg_export, mask_nifti_bytes
 from medseg.apps.inference import Result, run_model
 from medseg.apps.messages import problem as _problem
 from medseg.apps.registry import ModelInfo, default_folders, demo_cases, list_models
-from medseg.bundle import Bundle, load_bundle
+from medseg.bundle.export import Bundle, load_bundle
 
 log = logging.getLogger("medseg.apps")
 

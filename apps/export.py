@@ -127,7 +127,7 @@ def mask_dicom_seg_bytes(
     SEMIAUTOMATIC (algorithm plus manual correction) rather than AUTOMATIC.
 
     ``sources`` are the series' slice headers in the order of the volume's k axis (the order
-    ``medseg.datasets.dicom.read_dicom_series`` stacks them in), so frame k is
+    ``medseg.datasets.dicom.reader.read_dicom_series`` stacks them in), so frame k is
     ``label[0, :, :, k].T`` (DICOM rows run along j, columns along i). One segment per foreground
     label; slices without any label are left out.
     """

@@ -1,4 +1,4 @@
-"""Running a model for the viewer: ``medseg.infer.predict`` (the same call as ``medseg infer``) with progress.
+"""Running a model for the viewer: ``medseg.inference.predict.predict`` (the same call as ``medseg infer``) with progress.
 
 ``predict`` reports progress only after the sliding window; to move the bar during it, the
 network is wrapped in a module that counts its forward calls against the number of window
@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from monai.data import MetaTensor
 
-from medseg.bundle import Bundle
-from medseg.infer import Prediction, label_volumes, predict
+from medseg.bundle.export import Bundle
+from medseg.inference.predict import Prediction, label_volumes, predict
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def run_model(
     progress: Callable[[float, str], None] | None = None,
     device: str | torch.device | None = None,
 ) -> Result:
-    """Segment or classify ``image`` with ``bundle`` through ``medseg.infer.predict``."""
+    """Segment or classify ``image`` with ``bundle`` through ``medseg.inference.predict.predict``."""
     start = time.perf_counter()
     total = window_batches(bundle, image)
     done = 0

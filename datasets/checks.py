@@ -360,7 +360,7 @@ def open_nifti(
 
     Returns the lazy nibabel image and the affine to use. Raises DataError naming ``name`` (or the path).
     ``memory=False`` skips the check that the whole volume fits in memory (for a streamed read, whose
-    own peak :func:`medseg.predict_memory.estimate` checks).
+    own peak :func:`medseg.inference.memory.estimate` checks).
     """
     from nibabel.filebasedimages import ImageFileError
     from nibabel.spatialimages import HeaderDataError

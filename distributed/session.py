@@ -2,8 +2,8 @@
 
 :class:`LocalSession` trains in one process and changes nothing. :class:`HorovodSession` runs
 inside a rank started by horovodrun: it reports to the launcher over the network (heartbeats and
-per-step records, :mod:`medseg.distributed.heartbeat`), joins medseg's ``torch.distributed``
-channel (:mod:`medseg.distributed.channel`), measures each rank's speed on a batch made
+per-step records, :mod:`medseg.distributed.launch.heartbeat`), joins medseg's ``torch.distributed``
+channel (:mod:`medseg.distributed.comm.channel`), measures each rank's speed on a batch made
 beforehand, forms groups (by default one per host, i.e. per site), hands out each rank's own
 cases, wraps the optimizer for the chosen mode, slows a rank down when asked (straggler
 simulation), and gathers the epoch's numbers and every rank's synchronisation state on rank 0.
@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from medseg.config import Config
-from medseg.distributed import audit
-from medseg.distributed.groups import (
+from medseg.distributed.comm import audit
+from medseg.distributed.launch.heartbeat import BeatClient
+from medseg.distributed.sync.groups import (
     choose_groups,
     epoch_rounds,
     fit_wan_factor,
@@ -34,8 +35,7 @@ from medseg.distributed.groups import (
     static_share,
     wan_round_factor,
 )
-from medseg.distributed.heartbeat import BeatClient
-from medseg.distributed.straggler import Straggler
+from medseg.distributed.testbed.straggler import Straggler
 from medseg.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
@@ -113,15 +113,15 @@ class LocalSession:
 
 
 class HorovodSession(LocalSession):
-    """A rank of a job started by :func:`medseg.distributed.launcher.launch` (or a user's horovodrun)."""
+    """A rank of a job started by :func:`medseg.distributed.launch.launcher.launch` (or a user's horovodrun)."""
 
     def __init__(self, cfg: Config, straggler: str | None) -> None:
         import horovod.torch as hvd
 
-        from medseg.distributed.channel import Channel
+        from medseg.distributed.comm.channel import Channel
 
         if os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") and not hvd.gloo_built():
-            # the launcher's horovodrun leaves this question to the ranks (medseg.distributed.hvdrun)
+            # the launcher's horovodrun leaves this question to the ranks (medseg.distributed.launch.hvdrun)
             raise RunError(
                 "this Python's Horovod was built without Gloo, which `medseg train --np` launches with; "
                 "run `make setup` (it builds Horovod with HOROVOD_WITH_GLOO=1)"
@@ -175,7 +175,7 @@ class HorovodSession(LocalSession):
     # -- sites ----------------------------------------------------------------------------------
     def _sites(self, cfg: Config) -> list[str]:
         """Every rank's site: the config's site whose name or host the rank was started on."""
-        from medseg.sitedata import site_of
+        from medseg.distributed.site_data import site_of
 
         if not cfg.sites:
             return list(self.hosts)
@@ -193,7 +193,7 @@ class HorovodSession(LocalSession):
 
     def check_sites(self, facts: dict[str, Any]) -> None:
         """Compare the sites' dataset header facts over the channel; a mismatch stops every rank."""
-        from medseg.sitedata import compare_facts
+        from medseg.distributed.site_data import compare_facts
 
         if self.site is None:
             return
@@ -292,8 +292,8 @@ class HorovodSession(LocalSession):
         counted in ``setup_wan_bytes`` (with the initial model broadcast; reported with the first
         epoch).
         """
-        from medseg.distributed.compression import encoded_nbytes
-        from medseg.distributed.sync import ring_allreduce_bytes
+        from medseg.distributed.comm.compression import encoded_nbytes
+        from medseg.distributed.sync.common import ring_allreduce_bytes
 
         sizes = [p.numel() for p in model.parameters() if p.requires_grad]
         times: list[float] = []
@@ -318,7 +318,7 @@ class HorovodSession(LocalSession):
         return float(self.channel.broadcast_object(max(times) if times else 0.0))
 
     def _wan_factor(self, exchange_s: float) -> int:
-        """:func:`~medseg.distributed.groups.wan_round_factor` for the measured speeds and exchange."""
+        """:func:`~medseg.distributed.sync.groups.wan_round_factor` for the measured speeds and exchange."""
         per_rank = [sum(self.speeds[r] for r in g) / len(g) for g in self.groups]
         return wan_round_factor(exchange_s, self.base_periods, per_rank, self.probe_samples, MAX_WAN_FACTOR)
 
@@ -335,7 +335,7 @@ class HorovodSession(LocalSession):
         return [max(1, round(v / min(per_rank))) for v in per_rank]
 
     def _time_steps(self, profile_step: Callable[[], int], blocks: int) -> float:
-        """This rank's samples/s by :func:`~medseg.distributed.groups.profile_throughput`.
+        """This rank's samples/s by :func:`~medseg.distributed.sync.groups.profile_throughput`.
 
         ``profile_step`` works on a batch made before timing starts, so loading is never timed.
         """
@@ -357,11 +357,11 @@ class HorovodSession(LocalSession):
         with fewer rounds per epoch the groups drift apart for longer between exchanges (at
         20 Mbit/s, 4 rounds per epoch cost 0.022 held-out Dice against bsp, 7 rounds 0.013;
         docs/benchmarks.md, "Between hospitals"). With site-local data (``sites:``) the rounds are
-        the measured ones and the floor does not apply: :func:`~medseg.sitedata.site_share` fits the
+        the measured ones and the floor does not apply: :func:`~medseg.distributed.site_data.site_share` fits the
         epoch to each site's own cases.
         """
         if self.site is not None:
-            from medseg.sitedata import site_share
+            from medseg.distributed.site_data import site_share
 
             period_of = {r: p for g, p in zip(self.groups, self.periods) for r in g}
             periods = [
@@ -393,7 +393,7 @@ class HorovodSession(LocalSession):
         return self.channel.broadcast_object(state if self.is_chief else None, kind="parameters")
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
-        from medseg.distributed.sync import BulkSynchronous, GroupStale, LocalSGD, assign, flat
+        from medseg.distributed.sync.common import BulkSynchronous, GroupStale, LocalSGD, assign, flat
 
         d = self.dist
         if d.sync in ("gssp", "ssp") and d.compression == "fp16":
@@ -443,7 +443,7 @@ class HorovodSession(LocalSession):
         Only these (a few kB per site) travel, for the bundle's per-site evaluation; every rank calls
         this. None elsewhere and on other ranks.
         """
-        from medseg.distributed.channel import gather_to_root
+        from medseg.distributed.comm.channel import gather_to_root
 
         if not (self.dist.local_norm and self.site is not None):
             return None
@@ -589,7 +589,7 @@ class HorovodSession(LocalSession):
 
 def open_session(cfg: Config, straggler: str | None = None) -> LocalSession:
     """The session for this process: Horovod's when started by the launcher, else a local one."""
-    from medseg.distributed.launcher import is_worker
+    from medseg.distributed.launch.launcher import is_worker
 
     if cfg.dist.sync != "none" and is_worker():
         return HorovodSession(cfg, straggler)

@@ -1,5 +1,5 @@
 import sys
 
-from medseg.cli import main
+from medseg.cli.main import main
 
 sys.exit(main())

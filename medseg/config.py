@@ -33,7 +33,7 @@ class DataConfig:
 
 @dataclass
 class NormalizeConfig:
-    """How image intensities become network input (:func:`medseg.transforms.intensity`).
+    """How image intensities become network input (:func:`medseg.training.transforms.intensity`).
 
     - ``window``: ``transforms.window`` [a, b] mapped linearly onto [0, 1] and clipped (the default,
       what every config before planning did);
@@ -158,7 +158,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     infer: InferConfig = field(default_factory=InferConfig)
     # Site-local datasets: {name: {dir, host}}. With sites, a rank reads only its own site's ``dir``
-    # (``data.dir`` is not read by training) and ``--hosts`` names the sites (medseg.sitedata).
+    # (``data.dir`` is not read by training) and ``--hosts`` names the sites (medseg.distributed.site_data).
     sites: dict[str, SiteConfig] = field(default_factory=dict)
 
     @property

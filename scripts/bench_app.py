@@ -4,7 +4,7 @@
 
 Both are measured through the real page (``streamlit.testing`` AppTest running apps/app.py with the
 bundle): time to result = uploading the file (read, metadata, first panels) + pressing Run (the
-inference through ``medseg.infer.predict``, then the panels with the overlay and the volume
+inference through ``medseg.inference.predict.predict``, then the panels with the overlay and the volume
 table); a slider move = one script rerun after changing a slice slider. The same steps are also
 timed as bare functions, to show where the time goes. Targets (issue 5, 2-core CPU): result
 <= 30 s, slider <= 0.5 s; ratios are measured / target (<= 1 meets it).
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from medseg.report import replace_section, write_json
+from medseg.bench.report import replace_section, write_json
 
 TARGET_RESULT_S = 30.0
 TARGET_SLIDER_S = 0.5
@@ -44,7 +44,7 @@ def make_volume(out: Path) -> Path:
 def bench_functions(run: Path, case: Path, repeats: int) -> dict[str, float]:
     from medseg.apps import render, upload
     from medseg.apps.inference import run_model
-    from medseg.bundle import load_bundle
+    from medseg.bundle.export import load_bundle
 
     t0 = time.perf_counter()
     bundle = load_bundle(run)
@@ -150,7 +150,7 @@ the demo model (UNet, 1.6 × 1.6 × 2.4 mm, 32 × 32 × 16 patches) through the 
 | slider move: one page rerun, median of {r["repeats"]} (max {p["page_slider_max_s"]:.2f} s) | {sl:.3f} s | ≤ {TARGET_SLIDER_S} s | {sl / TARGET_SLIDER_S:.2f} |
 
 Where the time goes (the same steps as bare functions): reading the upload {f["read_upload_s"]:.1f} s,
-`medseg.infer.predict` (preprocess, sliding window, inversion to the scan's grid) {f["predict_s"]:.1f} s,
+`medseg.inference.predict.predict` (preprocess, sliding window, inversion to the scan's grid) {f["predict_s"]:.1f} s,
 RAS view of image and labels {f["view_setup_s"]:.2f} s, three panels rendered {f["render_3_panels_median_s"] * 1000:.0f} ms
 (median, max {f["render_3_panels_max_s"] * 1000:.0f} ms); on the page, upload {p["page_cold_upload_s"]:.1f} s and Run
 {p["page_cold_run_model_s"]:.1f} s in the first session, {p["page_upload_s"]:.1f} s and {p["page_run_model_s"]:.1f} s in the second. Almost all of
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, help="update this file's bench:app section")
     ap.add_argument("--note", default="", help="a sentence to add to the markdown section")
     args = ap.parse_args(argv)
-    from medseg.bundle import find_bundle
+    from medseg.bundle.export import find_bundle
 
     run = find_bundle(args.run)
     with tempfile.TemporaryDirectory(prefix="bench-app-") as tmp:

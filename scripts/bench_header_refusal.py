@@ -98,7 +98,10 @@ def main() -> None:
                     str(tmp_path / "m.nii.gz"),
                 ],
             ),
-            ("python -c 'import medseg.cli' (start-up alone)", [sys.executable, "-c", "import medseg.cli"]),
+            (
+                "python -c 'import medseg.cli.main' (start-up alone)",
+                [sys.executable, "-c", "import medseg.cli.main"],
+            ),
         ):
             t0 = time.perf_counter()
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)

@@ -6,7 +6,7 @@ preset of ``medseg data synth-sites`` (unlike intensities, noise, bias fields, v
 orientations and case mixes), each with labelled held-out cases it never trains on.
 
 Every configuration trains through ``medseg train`` and is scored the same way, with
-``medseg evaluate``'s per-site table (:func:`medseg.evaluate.evaluate_sites`) on each site's own
+``medseg evaluate``'s per-site table (:func:`medseg.inference.evaluate.evaluate_sites`) on each site's own
 held-out cases, in their original geometry; local_norm bundles are scored at each site with that
 site's own normalisation tensors. The distributed runs keep each site's data in its own folder
 (``sites:``), one rank per site, on this one machine (three local host names, so horovodrun starts
@@ -142,8 +142,8 @@ def run(name: str, cfg: dict, work: Path, np_: int = 0, hosts: str = "") -> dict
 
 
 def score(name: str, work: Path, sites: dict[str, dict[str, Path]]) -> dict:
-    from medseg.distributed.audit import summarize
-    from medseg.evaluate import evaluate_sites
+    from medseg.distributed.comm.audit import summarize
+    from medseg.inference.evaluate import evaluate_sites
 
     run_dir = work / "runs" / name
     result = evaluate_sites(run_dir, [(s, d["test"]) for s, d in sites.items()], progress=False)
@@ -218,7 +218,7 @@ def main() -> None:
 
 
 def write_markdown(markdown: Path, results: dict, meta: dict) -> None:
-    from medseg.report import replace_section
+    from medseg.bench.report import replace_section
 
     rows = [
         "| configuration | Dice a | Dice b | Dice c | mean per site | all held-out cases | train s | sent to other sites (MB) | canary hits |",

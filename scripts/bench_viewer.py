@@ -448,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.first_paint_only and args.markdown:
         ap.error("--first-paint-only measures one row; the bench:viewer section needs a full run")
-    from medseg.bundle import find_bundle
-    from medseg.report import replace_section, write_json
+    from medseg.bench.report import replace_section, write_json
+    from medseg.bundle.export import find_bundle
 
     bundle = find_bundle(args.run)
     load_before = os.getloadavg()[0]

@@ -9,7 +9,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from medseg.datasets.dicom import read_dicom_series
+from medseg.datasets.dicom.reader import read_dicom_series
 
 
 def main() -> int:

@@ -118,7 +118,7 @@ for name, sel in tests.items():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", f"tests/{name}", "-k", sel]
     run(f"pytest {name} -k {sel}", cmd + ["--junitxml", xml], 150)
 bench = (
-    "import json, sys; from medseg.kernels.bench import bench_memory, check_targets, format_table, write_report;"
+    "import json, sys; from medseg.bench.memory import bench_memory, check_targets, format_table, write_report;"
     "from pathlib import Path;"
     "r = bench_memory(quick=False, device='cuda', variants=('baseline', 'fused', 'checkpoint'), steps=5);"
     f"write_report(r, Path({out_dir!r}) / 'bench-memory-gpu.json', None);"

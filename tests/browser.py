@@ -1,4 +1,4 @@
-"""Real-browser helpers shared by tests/test_app_browser.py and scripts/bench_viewer.py.
+"""Real-browser helpers shared by tests/apps/test_app_browser.py and scripts/bench_viewer.py.
 
 ``medseg app`` on a free localhost port, Debian's chromium headless through Selenium, and the
 NiiVue viewport driven with real input events (Chrome DevTools Protocol ``Input.dispatchMouseEvent``)

@@ -8,7 +8,7 @@ import pytest
 
 from medseg.config import Config, config_from_dict
 from medseg.datasets.synthetic import make_cls_dataset, make_seg_dataset
-from medseg.train import train
+from medseg.training.loop import train
 
 
 def tiny_seg_config(data_dir: Path, runs_dir: Path, name: str = "tiny-seg", **train_overrides) -> Config:

@@ -1,0 +1,374 @@
+"""Measuring one training step of a 3D network: saved-for-backward bytes, peak memory, step time.
+
+Run as ``python -m medseg.bench.measure --net unet --variant fused --patch 64`` it measures one
+variant in this process and prints one JSON line; ``medseg bench memory`` starts one such process
+per variant, because peak memory is only honest in a fresh process (docs/design.md):
+
+* CPU peak: with ``MALLOC_MMAP_THRESHOLD_=65536`` set before the process starts (every large
+  buffer is its own mapping, returned to the OS when freed), ``gc.collect()``, ``malloc_trim(0)``,
+  ``5 > /proc/self/clear_refs`` to reset the high-water mark, one step, then ``VmHWM``. The figure
+  reported is that high-water mark minus the resident size just before the step, i.e. what the
+  step itself needs on top of the model, its optimizer state and the input batch.
+* GPU peak: ``max_memory_allocated()`` after ``reset_peak_memory_stats()``, minus the allocation
+  before the step.
+* Saved bytes: the unique storages handed to autograd for backward (``saved_tensors_hooks``),
+  parameters excluded. Exact, but not the peak: backward's own buffers come on top. Reported for
+  the network (``saved_bytes``) and for the loss alone (``loss_saved_bytes``).
+* Phase peaks: the same high-water mark, reset at the start of each phase of the measured step
+  (forward, loss, backward, optimizer), each above the step's starting memory. Their maximum is the
+  step's peak, and the phase that sets it says what the rest of the peak is (``breakdown``):
+  saved maps, the loss's transient maps, parameter gradient buffers (exact, from the parameters),
+  and what remains: convolution workspace (oneDNN's reorders and scratch, which depend on the
+  CPU's instruction set), the logits' gradient, and allocator slack. In backward, saved maps are freed as gradients appear, so the split is
+  an upper bound on what is saved at the peak's instant.
+
+The variant ``fused`` uses :class:`medseg.kernels.loss.FusedDiceCELoss` (what ``train.memory:
+fused`` trains with), fused with the network's last convolution where that fuses (``head.py``:
+UNet, DynUNet; ``head_fused`` in the result says which; the logits' gradient is then only ever one
+slab's and counted as 0); the other variants MONAI's ``DiceCELoss(to_onehot_y=True, softmax=True)``.
+Labels are float (N, 1, *spatial) class maps of smooth blobs, as medseg's pipeline hands them over,
+with every class present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+VARIANTS = ("baseline", "fused", "checkpoint", "compile")
+NETS = ("unet", "segresnet", "dynunet")
+
+
+def build_net(net: str, patch: int, width: float = 1.0, classes: int = 3) -> nn.Module:
+    """The network medseg trains for ``net`` (its default config), 1 input channel, ``classes`` outputs.
+
+    ``width`` scales every layer's channel count (the quick benchmark uses 0.5).
+    """
+    from medseg.config import config_from_dict
+    from medseg.models import build_network, network_def
+
+    model = {"name": net, "norm": "group" if net == "segresnet" else "instance"}
+    cfg = config_from_dict({"model": model, "transforms": {"patch": [patch] * 3, "spacing": [1.5] * 3}})
+    cfg.model.channels = [max(int(c * width), 4) for c in cfg.model.channels]
+    cfg.model.init_filters = max(int(cfg.model.init_filters * width), 8)
+    net_def = network_def(cfg, out_channels=classes)
+    if net == "dynunet" and width != 1.0:  # MONAI's default DynUNet filters, scaled
+        net_def["filters"] = [int(min(2 ** (5 + i), 320) * width) for i in range(len(net_def["strides"]))]
+    return build_network(net_def)
+
+
+def _checkpoint_blocks(model: nn.Module) -> int:
+    """Wrap each residual block's forward in non-reentrant ``torch.utils.checkpoint``."""
+    from monai.networks.blocks import ResidualUnit
+    from monai.networks.blocks.dynunet_block import UnetBasicBlock, UnetResBlock
+    from monai.networks.blocks.segresnet_block import ResBlock
+    from torch.utils.checkpoint import checkpoint
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, ResidualUnit | ResBlock | UnetBasicBlock | UnetResBlock):
+            plain = module.forward
+            module.forward = lambda *a, _f=plain: checkpoint(_f, *a, use_reentrant=False)
+            count += 1
+    return count
+
+
+def prepare(
+    net: str,
+    variant: str,
+    patch: int,
+    device: torch.device,
+    width: float = 1.0,
+    classes: int = 3,
+    net_def: dict | None = None,
+) -> tuple[nn.Module, Callable]:
+    """The model for ``variant`` and the callable that runs its forward pass.
+
+    ``net_def`` (a MONAI ``network_def`` mapping, as ``medseg plan`` writes) replaces the default
+    network of ``net``."""
+    torch.manual_seed(0)
+    if net_def is not None:
+        from medseg.models import build_network
+
+        model = build_network(net_def).to(device).train()
+    else:
+        model = build_net(net, patch, width, classes).to(device).train()
+    forward: Callable = model
+    if variant == "fused":
+        from medseg.kernels import optimize_memory
+
+        optimize_memory(model)
+    elif variant == "checkpoint":
+        _checkpoint_blocks(model)
+    elif variant == "compile":
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = 0.5
+        forward = torch.compile(model)
+    elif variant != "baseline":
+        raise ValueError(f"variant must be one of {VARIANTS}")
+    return model, forward
+
+
+def saved_bytes(forward: Callable, params: list[torch.Tensor], x: torch.Tensor) -> int:
+    """Bytes of the unique non-parameter storages autograd keeps from forward for backward."""
+    return saved_bytes_split(forward, params, x)[0]
+
+
+def saved_bytes_split(
+    forward: Callable, params: list[torch.Tensor], x: torch.Tensor, loss_fn: Callable | None = None, y=None
+) -> tuple[int, int]:
+    """(network, loss) saved bytes: storages first saved by the forward, then new ones saved by the loss."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in param_ptrs:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward(x)
+        net = sum(storages.values())
+        loss = loss_fn(out, y) if loss_fn is not None else None
+    total = sum(storages.values())
+    del out, loss
+    return net, total - net
+
+
+def labels_like(
+    batch: int, patch: int | tuple[int, int, int], classes: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Float (N, 1, *patch) class maps of smooth random blobs (argmax of an upsampled noise field)."""
+    shape = (patch,) * 3 if isinstance(patch, int) else tuple(patch)
+    coarse = torch.randn(batch, classes, 4, 4, 4, generator=gen)
+    coarse[:, 0] += 1.0  # a larger background, as in real volumes
+    field = torch.nn.functional.interpolate(coarse, size=shape, mode="trilinear", align_corners=False)
+    return field.argmax(1, keepdim=True).float()
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: nothing to trim
+        pass
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+class PhaseMeter:
+    """High-water marks of successive phases of one step, each above the memory in use at its start."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.peaks, self.start = device, {}, 0
+
+    def _reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")
+
+    def _high(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+        return _status_kb("VmHWM") * 1024
+
+    def begin(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.start = torch.cuda.memory_allocated()
+        else:
+            _malloc_trim()
+            self.start = _status_kb("VmRSS") * 1024
+        self._reset()
+
+    def mark(self, phase: str) -> None:
+        """Close ``phase`` (its peak is recorded) and start the next one."""
+        self.peaks[phase] = self._high() - self.start
+        self._reset()
+
+
+def peak_step_bytes(step: Callable[[], None], device: torch.device) -> int:
+    """Memory one call of ``step`` needs above what was allocated before it (see module docstring)."""
+    meter = PhaseMeter(device)
+    meter.begin()
+    step()
+    meter.mark("step")
+    return meter.peaks["step"]
+
+
+def measure(
+    net: str,
+    variant: str,
+    patch: int,
+    batch: int,
+    steps: int,
+    device: torch.device,
+    width: float = 1.0,
+    classes: int = 3,
+    net_def: dict | None = None,
+    shape: tuple[int, int, int] | None = None,
+) -> dict:
+    """Saved bytes (network, loss), phase peaks and breakdown of the first timed step, median step_s.
+
+    ``shape`` (a non-cubic patch) replaces ``patch``³; ``net_def`` replaces the default network.
+    ``static_bytes`` is what lives beside the step and is counted, not measured: weights and AdamW's
+    two moment buffers (``12`` bytes per parameter) and the input batch with its labels."""
+    from monai.losses import DiceCELoss
+
+    shape = tuple(shape) if shape else (patch,) * 3
+    model, forward = prepare(net, variant, patch, device, width, classes, net_def)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    if variant == "fused":
+        from medseg.kernels.loss import FusedDiceCELoss
+
+        loss_fn: Callable = FusedDiceCELoss()
+    else:
+        loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 1, *shape, generator=gen).to(device)
+    y = labels_like(batch, shape, classes, gen).to(device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    from medseg.kernels.head import deferred_head
+
+    # fused: the network's last convolution is fused with the loss where it can be (kernels/head.py)
+    head_fused = variant == "fused" and model.__dict__.get("_medseg_head_module") is not None
+
+    def net_forward(inp: torch.Tensor) -> torch.Tensor:
+        if not head_fused:
+            return forward(inp)
+        with deferred_head(model):
+            return forward(inp)
+
+    def step(meter: PhaseMeter | None = None) -> None:
+        mark = meter.mark if meter is not None else (lambda phase: None)
+        opt.zero_grad(set_to_none=True)
+        out = net_forward(x)
+        mark("forward")
+        loss = loss_fn(out, y)
+        del out
+        mark("loss")
+        loss.backward()
+        mark("backward")
+        opt.step()
+        mark("optimizer")
+
+    for _ in range(2 if variant == "compile" else 1):  # warm-up: optimizer state, compilation
+        step()
+    times: list[float] = []
+    cpu_times: list[float] = []  # process CPU seconds (all threads): what the step costs, load or not
+
+    def timed_step(meter: PhaseMeter | None = None) -> None:
+        sync()
+        t0, c0 = time.perf_counter(), time.process_time()
+        step(meter)
+        sync()
+        times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
+
+    meter = PhaseMeter(device)
+    meter.begin()
+    timed_step(meter)  # phase marks cost a /proc read each; the median below comes from unmarked steps
+    phases = dict(meter.peaks)
+    peak = max(phases.values())
+    times.clear()
+    cpu_times.clear()
+    for _ in range(steps):
+        timed_step()
+    opt.zero_grad(set_to_none=True)
+    net_saved, loss_saved = saved_bytes_split(net_forward, params, x, loss_fn, y)
+    grads = sum(p.numel() * p.element_size() for p in params)
+    # the loss's gradient w.r.t. the logits: full size, or one slab's with a fused head
+    logits = 0 if head_fused else batch * classes * x[0, 0].numel() * x.element_size()
+    peak_phase = max(phases, key=phases.get)
+    breakdown = {
+        "peak_phase": peak_phase,
+        "saved": net_saved + loss_saved,
+        # what the loss needs while it runs beyond the maps kept for backward (its temporaries)
+        "loss_transient": max(phases["loss"] - net_saved - loss_saved, 0),
+        "param_grads": grads,
+        "logits_grad": logits,  # the loss's gradient w.r.t. the logits, alive at the start of backward
+        "workspace_and_allocator": max(peak - net_saved - loss_saved - grads - logits, 0),
+    }
+    return {
+        "saved_bytes": net_saved,
+        "loss_saved_bytes": loss_saved,
+        "peak_bytes": peak,
+        "phase_peaks": phases,
+        "breakdown": breakdown,
+        "step_s": statistics.median(times),
+        "step_cpu_s": statistics.median(cpu_times),
+        "steps": steps,
+        "classes": classes,
+        "head_fused": head_fused,
+        "shape": list(shape),
+        "batch": batch,
+        "params": sum(p.numel() for p in params),
+        "static_bytes": 12 * sum(p.numel() for p in params)
+        + x.numel() * x.element_size()
+        + y.numel() * y.element_size(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Measure one network variant's training step (one JSON line).")
+    p.add_argument("--net", choices=NETS, required=True)
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    p.add_argument("--patch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--width", type=float, default=1.0, help="channel multiplier of the network")
+    p.add_argument("--classes", type=int, default=3, help="output classes (labels drawn from all of them)")
+    p.add_argument("--shape", type=int, nargs=3, help="a patch of this shape instead of --patch cubed")
+    p.add_argument("--net-def", help="MONAI network_def as JSON, instead of --net's default network")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = measure(
+        args.net,
+        args.variant,
+        args.patch,
+        args.batch,
+        args.steps,
+        torch.device(args.device),
+        args.width,
+        args.classes,
+        json.loads(args.net_def) if args.net_def else None,
+        tuple(args.shape) if args.shape else None,
+    )
+    if args.variant == "fused":
+        from medseg.kernels.dispatch import backend_name
+
+        result["backend"] = backend_name()
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Score a trained bundle on labelled cases, in each case's original geometry.
+
+Every case goes through :func:`medseg.inference.predict.predict`, the path users run, and is compared with its
+label on the label's own grid: Dice and 95th-percentile Hausdorff distance (mm, with the voxel
+spacing taken from the affine) per foreground class for segmentation; ROC-AUC and accuracy for
+classification.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from monai.metrics import DiceMetric, HausdorffDistanceMetric
+from monai.networks.utils import one_hot
+from tqdm import tqdm
+
+from medseg.bundle.export import Bundle, load_bundle, site_names, use_site
+from medseg.datasets import checks
+from medseg.datasets.decathlon import load_dataset, split_train_val
+from medseg.errors import DataError
+from medseg.inference.predict import load_image, predict
+from medseg.training.tasks import classification_metrics
+
+
+def _mean(values: list[float | None]) -> float | None:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else None
+
+
+def _cases(bundle: Bundle, data_dir: str | Path | None) -> tuple[str, list[dict[str, Any]]]:
+    """The labelled cases to score: all of ``data_dir``, or the run's own validation split."""
+    cfg = bundle.config
+    if data_dir is not None:
+        info = load_dataset(data_dir)
+        source, items = f"{info.root} (all {len(info.training)} labelled cases)", info.training
+    else:
+        info = load_dataset(cfg.data.dir)
+        _, items = split_train_val(info.training, cfg.data.val_fraction, cfg.train.seed)
+        source = f"{info.root} (validation split, {len(items)} cases)"
+    if info.task != cfg.task:
+        raise DataError(
+            f"{info.json_path}: holds a {info.task} dataset but model {bundle.name} does {cfg.task}"
+        )
+    if not items:
+        raise DataError(f"{info.json_path}: no labelled cases to evaluate on")
+    # the checks of `medseg data validate`, against the labels the model was trained with
+    checks.check_training_items(
+        items, bundle.labels, cfg.task, str(info.json_path), f"run `medseg data validate {info.root}`"
+    )
+    return source, items
+
+
+def _seg_case(bundle: Bundle, item: dict[str, Any]) -> dict[str, Any]:
+    image = load_image(item["image"])
+    truth = load_image(item["label"])
+    if truth.shape[1:] != image.shape[1:]:
+        raise DataError(
+            f"{item['label']}: shape {tuple(truth.shape[1:])} differs from its image {tuple(image.shape[1:])}"
+        )
+    pred = predict(bundle, image).label
+    n = len(bundle.labels)
+    p, t = one_hot(pred[None].long(), n), one_hot(truth[None].round().long(), n)
+    spacing = np.linalg.norm(np.asarray(image.affine)[:3, :3], axis=0).tolist()
+    dice = DiceMetric(include_background=False, ignore_empty=True)(p, t)[0].tolist()
+    hd = HausdorffDistanceMetric(include_background=False, percentile=95)(p, t, spacing=spacing)[0].tolist()
+    row: dict[str, Any] = {"case": Path(item["image"]).name}
+    for k, d, h in zip([k for k in sorted(bundle.labels) if k != 0], dice, hd):
+        row[f"dice_{bundle.labels[k]}"] = d if math.isfinite(d) else None
+        row[f"hd95_{bundle.labels[k]}"] = h if math.isfinite(h) else None
+    row["dice"] = _mean([row[f"dice_{bundle.labels[k]}"] for k in bundle.labels if k != 0])
+    return row
+
+
+def evaluate(
+    run: str | Path, data_dir: str | Path | None = None, progress: bool = True, site: str | None = None
+) -> dict[str, Any]:
+    """Score the run's bundle; write ``<run>/eval-<dataset>.json`` and return the same mapping.
+
+    ``site``: for a bundle trained with ``dist.local_norm``, score with that site's own
+    normalisation tensors (the site's model); otherwise ignored."""
+    bundle = load_bundle(run)
+    if site is not None and site in site_names(bundle):
+        use_site(bundle, site)
+    source, items = _cases(bundle, data_dir)
+    rows: list[dict[str, Any]] = []
+    summary: dict[str, Any]
+    if bundle.task == "segmentation":
+        for item in tqdm(items, desc="evaluate", unit="case", disable=not progress, leave=False):
+            rows.append(_seg_case(bundle, item))
+        keys = [k for k in rows[0] if k != "case"]
+        summary = {k: _mean([r[k] for r in rows]) for k in keys}
+    else:
+        names = [bundle.labels[k] for k in sorted(bundle.labels)]
+        probs = []
+        for item in tqdm(items, desc="evaluate", unit="case", disable=not progress, leave=False):
+            p = predict(bundle, load_image(item["image"])).probabilities
+            probs.append([p[n] for n in names])
+            rows.append(
+                {
+                    "case": Path(item["image"]).name,
+                    "label": names[int(item["label"])],
+                    **{f"p_{n}": v for n, v in p.items()},
+                }
+            )
+        metrics = classification_metrics(
+            torch.tensor(probs), torch.tensor([int(i["label"]) for i in items]), len(names)
+        )
+        summary = {"auc": metrics["val_auc"], "accuracy": metrics["val_accuracy"]}
+    result = {
+        "run": str(bundle.path.parent),
+        "data": source,
+        "task": bundle.task,
+        "summary": summary,
+        "cases": rows,
+    }
+    run_dir = bundle.path.parent
+    name = Path(data_dir).name if data_dir is not None else "val"
+    out = run_dir / f"eval-{name}.json"
+    _write_json(out, result)
+    result["path"] = str(out)
+    return result
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    """Write ``obj`` as JSON under a temporary name beside ``path``, then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """A fixed-width table of per-case rows and the mean row."""
+    rows = result["cases"]
+    keys = [k for k in rows[0] if k != "case"]
+    width = max(12, *(len(r["case"]) for r in rows))
+
+    def cell(v: Any) -> str:
+        return f"{v:>12.4f}" if isinstance(v, float) else f"{'-' if v is None else v!s:>12}"
+
+    lines = [f"{'case':<{width}}" + "".join(f"{k:>12}"[-12:].rjust(13) for k in keys)]
+    lines += [f"{r['case']:<{width}}" + "".join(" " + cell(r[k]) for k in keys) for r in rows]
+    summary = result["summary"]
+    lines.append(f"{'mean':<{width}}" + "".join(" " + cell(summary.get(k)) for k in keys))
+    if result["task"] == "classification":
+        lines.append(f"AUC {summary['auc']:.4f}  accuracy {summary['accuracy']:.4f}")
+    return "\n".join(lines)
+
+
+def parse_data_args(values: list[str]) -> list[tuple[str, Path]]:
+    """``--data`` values, ``DIR`` or ``NAME=DIR``, as (name, folder); the name defaults to the folder's."""
+    out = []
+    for v in values:
+        name, sep, folder = v.partition("=")
+        out.append((name, Path(folder)) if sep and name else (Path(v).name, Path(v)))
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise DataError(f"--data: two datasets share a name ({', '.join(names)}); write NAME=DIR for each")
+    return out
+
+
+def evaluate_sites(
+    run: str | Path, datasets: list[tuple[str, Path]], progress: bool = True
+) -> dict[str, Any]:
+    """Score the bundle on several sites' datasets: one summary row per site and a pooled row.
+
+    A site whose name the bundle holds own normalisation state for (``dist.local_norm``) is scored
+    with it. Pooled: each metric's mean over all sites' cases together (cases, not sites, weigh
+    equally); for classification, the case-weighted mean of the sites' AUC and accuracy. Writes
+    ``<run>/eval-sites.json``.
+    """
+    per_site: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    task = None
+    for name, folder in datasets:
+        result = evaluate(run, folder, progress=progress, site=name)
+        task = result["task"]
+        per_site[name] = {**result["summary"], "cases": len(result["cases"]), "data": result["data"]}
+        rows += result["cases"]
+    keys = [k for k in next(iter(per_site.values())) if k not in ("cases", "data")]
+    if task == "segmentation":
+        pooled = {k: _mean([r.get(k) for r in rows]) for k in keys}
+    else:
+        n = sum(s["cases"] for s in per_site.values())
+        pooled = {k: sum((s[k] or 0.0) * s["cases"] for s in per_site.values()) / n for k in keys}
+    out = {"run": str(run), "task": task, "sites": per_site, "pooled": {**pooled, "cases": len(rows)}}
+    bundle_dir = load_bundle(run).path.parent
+    path = bundle_dir / "eval-sites.json"
+    _write_json(path, out)
+    out["path"] = str(path)
+    return out
+
+
+def format_sites(result: dict[str, Any]) -> str:
+    """Sites against metrics: one row per site, then the pooled row."""
+    sites = result["sites"]
+    keys = [k for k in result["pooled"] if k != "cases"]
+    width = max(8, *(len(s) for s in sites))
+
+    def cell(v: Any) -> str:
+        return f"{v:>12.4f}" if isinstance(v, float) else f"{'-' if v is None else v!s:>12}"
+
+    lines = [f"{'site':<{width}}" + f"{'cases':>7}" + "".join(f" {k[-12:]:>12}" for k in keys)]
+    for name, m in list(sites.items()) + [("pooled", result["pooled"])]:
+        lines.append(f"{name:<{width}}" + f"{m['cases']:>7}" + "".join(" " + cell(m.get(k)) for k in keys))
+    return "\n".join(lines)
