@@ -39,6 +39,7 @@ from typing import Any
 import nibabel as nib
 import numpy as np
 
+from medseg import sysinfo
 from medseg.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -181,45 +182,6 @@ def _make_folder(folder: Path, what: str) -> None:
 # ---------------------------------------------------------------------------------------- memory
 
 
-def _read_int(path: str) -> int | None:
-    try:
-        text = Path(path).read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def available_memory() -> int:
-    """Bytes this process can still allocate: MemAvailable, capped by a cgroup limit and MEDSEG_MAX_IMAGE_MB."""
-    avail: int | None = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-                break
-    except OSError:
-        pass
-    if avail is None:
-        try:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            avail = 2**62
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):
-        limit, usage = _read_int(limit_file), _read_int(usage_file)
-        if limit is not None and limit < 2**60 and usage is not None:
-            avail = min(avail, max(limit - usage, 0))
-    env = os.environ.get("MEDSEG_MAX_IMAGE_MB")
-    if env:
-        try:
-            avail = min(avail, int(float(env) * 2**20))
-        except ValueError:
-            logger.warning("MEDSEG_MAX_IMAGE_MB=%r is not a number; ignored", env)
-    return int(avail)
-
-
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
@@ -227,7 +189,7 @@ def _gib(n: float) -> str:
 def check_memory(n_voxels: int, itemsize: int, name: str) -> None:
     """Refuse a volume whose reading would need more memory than the machine has available."""
     need = int(n_voxels) * (int(itemsize) + 4 * _WORK_COPIES_F32)
-    avail = available_memory()
+    avail = sysinfo.available_memory()
     if need > avail:
         raise DataError(
             f"{name}: reading this volume ({n_voxels:,} voxels) needs about {_gib(need)} of memory, but only "

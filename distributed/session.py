@@ -5,8 +5,8 @@ inside a rank started by horovodrun: it reports to the launcher over the network
 per-step records, :mod:`medseg.distributed.launch.heartbeat`), joins medseg's ``torch.distributed``
 channel (:mod:`medseg.distributed.comm.channel`), measures each rank's speed on a batch made
 beforehand, forms groups (by default one per host, i.e. per site), hands out each rank's own
-cases, wraps the optimizer for the chosen mode, slows a rank down when asked (straggler
-simulation), and gathers the epoch's numbers and every rank's synchronisation state on rank 0.
+cases, wraps the optimizer for the chosen mode, lets a test's emulation slow a rank down
+(:mod:`medseg.distributed.emulation`), and gathers the epoch's numbers and every rank's synchronisation state on rank 0.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from medseg.config import Config
+from medseg.distributed import emulation
 from medseg.distributed.comm import audit
 from medseg.distributed.launch.heartbeat import BeatClient
 from medseg.distributed.sync.groups import (
@@ -35,7 +36,6 @@ from medseg.distributed.sync.groups import (
     static_share,
     wan_round_factor,
 )
-from medseg.distributed.testbed.straggler import Straggler
 from medseg.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class LocalSession:
 class HorovodSession(LocalSession):
     """A rank of a job started by :func:`medseg.distributed.launch.launcher.launch` (or a user's horovodrun)."""
 
-    def __init__(self, cfg: Config, straggler: str | None) -> None:
+    def __init__(self, cfg: Config) -> None:
         import horovod.torch as hvd
 
         from medseg.distributed.comm.channel import Channel
@@ -155,7 +155,7 @@ class HorovodSession(LocalSession):
         self.validates = self.is_chief or (
             bool(cfg.sites) and self.rank == self.rank_sites.index(self.rank_sites[self.rank])
         )
-        self.straggler = Straggler.for_rank(straggler, self.rank)
+        self.emulation = emulation.current()  # a no-op unless a test installed one
         self.groups: list[list[int]] = [list(range(self.size))]
         self.periods = [1]
         self.base_periods = [1]
@@ -499,13 +499,14 @@ class HorovodSession(LocalSession):
     @contextlib.contextmanager
     def compute(self) -> Iterator[None]:
         tic = time.perf_counter()
-        with self.straggler:
+        with self.emulation.compute(self.rank):
             yield
         self._step_compute = time.perf_counter() - tic
         self.compute_s += self._step_compute
 
     def phase(self, what: str) -> None:
         self.beats.set_phase(what)
+        self.emulation.enter_phase(what, self.rank)
 
     def report(self, record: dict[str, Any]) -> None:
         self.beats.send(record)
@@ -550,7 +551,7 @@ class HorovodSession(LocalSession):
             "wan_wait_s": stats.wan_wait_s,
             "max_staleness": max(stats.staleness, default=0),
             "wall_s": wall,
-            "slept_s": self.straggler.slept_s,
+            "slept_s": self.emulation.slept_s,
             "compute_s": self.compute_s,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
@@ -587,19 +588,17 @@ class HorovodSession(LocalSession):
         audit.stop()
 
 
-def open_session(cfg: Config, straggler: str | None = None) -> LocalSession:
+def open_session(cfg: Config) -> LocalSession:
     """The session for this process: Horovod's when started by the launcher, else a local one."""
     from medseg.distributed.launch.launcher import is_worker
 
     if cfg.dist.sync != "none" and is_worker():
-        return HorovodSession(cfg, straggler)
+        return HorovodSession(cfg)
     if cfg.sites:
         raise ConfigError(
             f"sites: a site-local job runs on several ranks, e.g. medseg train --config C --np N "
             f"--hosts {','.join(f'{s}:1' for s in cfg.sites)} (with dist.sync bsp, gssp, ssp or local-sgd)"
         )
-    if straggler:
-        raise ConfigError("--straggler: only meaningful with --np N (several ranks)")
     return LocalSession()
 
 

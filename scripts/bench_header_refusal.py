@@ -23,6 +23,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
+from medseg import sysinfo
 from medseg.datasets import checks
 from medseg.errors import DataError
 
@@ -107,7 +108,7 @@ def main() -> None:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
             timings[name] = (time.perf_counter() - t0, proc.returncode, proc.stderr.strip().splitlines()[-1:])
         print(f"bomb: {size / 2**20:.1f} MB on disk, header claims {np.prod(SHAPE) * 2 / 2**30:.0f} GiB")
-        print(f"available memory: {checks.available_memory() / 2**30:.1f} GiB")
+        print(f"available memory: {sysinfo.available_memory() / 2**30:.1f} GiB")
         print(f"header check in-process: {check_s * 1000:.1f} ms -> {message}")
         for name, (secs, rc, last) in timings.items():
             print(f"CLI {name}: {secs:.2f} s wall, exit {rc}, {last}")

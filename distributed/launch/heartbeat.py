@@ -7,7 +7,7 @@ the launcher reads: each rank opens one TCP connection to the launcher's :class:
 - a *liveness* beat every ``BEAT_INTERVAL_S`` from a helper process that watches the rank
   (:mod:`medseg.distributed.launch.beat_sidecar`: a rank blocked inside Horovod can hold the GIL, so a
   thread of the rank cannot be relied on to beat), and one from a background thread naming the
-  phase the rank is in (``start``, ``load``, ``profile``, ``train``, ``validate``, ``wait``,
+  phase the rank is in (``start``, ``read``, ``load``, ``profile``, ``train``, ``validate``, ``wait``,
   ``save``), so a 10-minute data load or validation pass is visibly alive;
 - a *progress* record after every training step (epoch, step, time, bytes, staleness, timings) and
   an *event* record at each GSSP round (submitted, started), which the launcher appends to

@@ -115,12 +115,10 @@ def horovodrun_command() -> list[str]:
     return [sys.executable, str(Path(__file__).with_name("hvdrun.py"))]
 
 
-def worker_command(config: Path, overrides: list[str], resume: bool, straggler: str | None) -> list[str]:
+def worker_command(config: Path, overrides: list[str], resume: bool) -> list[str]:
     cmd = [sys.executable, "-m", "medseg", "train", "--config", str(config), "--no-progress"]
     if resume:
         cmd.append("--resume")
-    if straggler:
-        cmd += ["--straggler", straggler]
     return cmd + list(overrides)
 
 
@@ -159,7 +157,6 @@ def launch(
     np_: int,
     hosts: str | None,
     resume: bool,
-    straggler: str | None,
     max_restarts: int = 0,
     min_sites: int = 1,
 ) -> None:
@@ -208,7 +205,7 @@ def launch(
     while True:
         n = len(_assign(active, np_))
         hosts_arg = ",".join(f"{h}:{k}" for _, h, k in active)
-        outcome = _attempt(cfg, config_path, overrides, n, hosts_arg, hosts is None, resume, straggler)
+        outcome = _attempt(cfg, config_path, overrides, n, hosts_arg, hosts is None, resume)
         if outcome.ok:
             return
         if outcome.reported or outcome.rank is None or restarts >= max_restarts or outcome.code == 2:
@@ -252,7 +249,6 @@ def _attempt(
     hosts_arg: str,
     single_host: bool,
     resume: bool,
-    straggler: str | None,
 ) -> _Attempt:
     """One horovodrun of the job, watched to its end."""
     ranks_dir = cfg.run_dir / "ranks"
@@ -261,7 +257,7 @@ def _attempt(
     timeout = cfg.dist.timeout_s
     cmd = [*horovodrun_command(), "-np", str(np_), "-H", hosts_arg, "--gloo", "--start-timeout", "60"]
     cmd += shlex.split(os.environ.get("MEDSEG_HOROVODRUN_ARGS", ""))
-    cmd += worker_command(config_path, overrides, resume, straggler)
+    cmd += worker_command(config_path, overrides, resume)
     beats = BeatServer(ranks_dir)
     beat_host = os.environ.get("MEDSEG_BEAT_HOST") or ("127.0.0.1" if single_host else socket.getfqdn())
     env = dict(os.environ, **{WORKER_ENV: "1", "PYTHONUNBUFFERED": "1"})

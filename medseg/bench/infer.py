@@ -416,7 +416,7 @@ def bench_infer(
     be in ``workdir``), and the result says which.
     """
     reuse = {k: list(v) for k, v in (reuse or {}).items()}
-    from medseg.inference.memory import available_bytes
+    from medseg.sysinfo import available_memory
 
     workdir.mkdir(parents=True, exist_ok=True)
     sizes = sizes or (QUICK_SIZES if quick else FULL_SIZES)
@@ -441,7 +441,7 @@ def bench_infer(
         case_rounds = rounds if quick or (shape, c) == TIMED else 1
         case: dict[str, Any] = {"shape": list(shape), "classes": c, "variants": {}}
         old_peak = old_peak_bytes(n, c)
-        limit = min(old_limit_bytes, int(0.8 * available_bytes()))
+        limit = min(old_limit_bytes, int(0.8 * available_memory()))
         run = ["old", "new", "new-stream"] if old_peak <= limit else ["new", "new-stream"]
         if old_peak > limit and "old" in variants:
             case["old_skipped"] = (

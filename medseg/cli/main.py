@@ -121,15 +121,16 @@ def _train(args: argparse.Namespace) -> None:
             args.np,
             args.hosts,
             args.resume,
-            args.straggler,
             max_restarts=args.max_restarts,
             min_sites=args.min_sites,
         )
         _print_run(cfg.run_dir)
         return
+    from medseg.distributed.testbed.emulate import install_from_env
     from medseg.training.loop import train  # not before: the launcher itself never trains
 
-    result = train(cfg, resume=args.resume, progress=not args.no_progress, straggler=args.straggler)
+    install_from_env()  # test-only emulation (a straggler, slow phases): the one seam, a no-op unless asked
+    result = train(cfg, resume=args.resume, progress=not args.no_progress)
     if is_worker():
         end_rank()  # the launcher reports for the whole job
     best = (
@@ -455,9 +456,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--np", type=int, help="train on N ranks under horovodrun (needs dist.sync other than none)"
     )
     s.add_argument("--hosts", help="HOST:SLOTS,... for --np across servers (default localhost:N)")
-    s.add_argument(
-        "--straggler", metavar="RANK:FACTOR", help="slow one rank down by FACTOR (tests and benchmarks)"
-    )
     s.add_argument(
         "--max-restarts",
         type=int,

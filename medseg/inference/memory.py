@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from monai.data import MetaTensor
 
+from medseg import sysinfo
 from medseg.config import Config
 from medseg.errors import DataError
 from medseg.inference.io import STREAM_SLAB_BYTES, LazyVolume, resample_streamed
@@ -149,41 +150,14 @@ def _axis_aligned(cfg: Config, image: MetaTensor) -> bool:
     return bool(np.allclose(cols.T @ cols, np.eye(3), atol=1e-6))
 
 
-def available_bytes() -> int:
-    """Memory this process can still take: MemAvailable, capped by a cgroup limit when one is set."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover - not Linux
-        return 1 << 62
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            limit = open(path).read().strip()
-        except OSError:
-            continue
-        if limit.isdigit() and int(limit) < 1 << 60:
-            used_path = path.replace("memory.max", "memory.current").replace(
-                "limit_in_bytes", "usage_in_bytes"
-            )
-            try:
-                used = int(open(used_path).read().strip())
-            except (OSError, ValueError):
-                used = 0
-            avail = min(avail or 1 << 62, int(limit) - used)
-    return avail if avail is not None else 1 << 62
-
-
 def check_fits(est: MemoryEstimate, name: str, available: int | None = None) -> None:
     """Raise DataError when the predicted peak exceeds what this process can still allocate.
 
     The input and the libraries are already resident, so only what the prediction allocates beyond
-    them must fit into ``available`` (default :func:`available_bytes`).
+    them must fit into ``available`` (default :func:`medseg.sysinfo.available_memory`).
     """
     need = est.peak_bytes - est.base_bytes - est.input_bytes
-    avail = available_bytes() if available is None else available
+    avail = sysinfo.available_memory() if available is None else available
     log.debug(
         "predicted peak %.2f GB, %.2f GB more needed, %.2f GB available",
         est.peak_bytes / GB,

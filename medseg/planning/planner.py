@@ -685,9 +685,9 @@ def _default_memory_gb(device: str) -> float:
         if torch.cuda.is_available():
             return torch.cuda.get_device_properties(0).total_memory / GB * 0.9
         return 8.0
-    from medseg.inference.memory import available_bytes
+    from medseg.sysinfo import available_memory
 
-    return min(available_bytes() / GB * 0.5, 8.0)
+    return min(available_memory() / GB * 0.5, 8.0)
 
 
 def _budget_text(memory_gb: float, time_s: float | None, steps: int, demo_budget_text: bool = False) -> str:

@@ -8,7 +8,6 @@ The loop asks :mod:`medseg.distributed` for its optimizer and does not know how 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -75,18 +74,6 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
     return x.as_tensor() if hasattr(x, "as_tensor") else x
 
 
-def _fault_delay(phase: str, rank: int) -> None:
-    """Fault injection for tests: ``MEDSEG_FAULT_SLOW=PHASE:RANK:SECONDS`` (e.g. ``load:1:40``) makes
-    that rank spend that long in that phase (``load`` or ``validate``), as a slow disk or a long
-    validation would; the watchdog must keep the job alive."""
-    spec = os.environ.get("MEDSEG_FAULT_SLOW", "")
-    for item in filter(None, spec.split(",")):
-        what, r, seconds = item.split(":")
-        if what == phase and int(r) == rank:
-            log.info("fault injection: rank %d spends %s s more in %s", rank, seconds, phase)
-            time.sleep(float(seconds))
-
-
 def _probe_batch(cfg: Config, num_classes: int, device: torch.device) -> dict[str, torch.Tensor]:
     """A random batch shaped like a training batch, for timing a rank's forward and backward pass."""
     b, patch = cfg.train.batch_size * max(cfg.transforms.num_samples, 1), list(cfg.transforms.patch)
@@ -119,18 +106,18 @@ def train(
     resume: bool = False,
     progress: bool = True,
     until_epoch: int | None = None,
-    straggler: str | None = None,
 ) -> TrainResult:
     """Train ``cfg`` from scratch, or continue the run in ``cfg.run_dir`` when ``resume`` is true.
 
     ``until_epoch`` stops after that epoch as an interruption would (checkpoint written, no bundle),
     so a run can be trained in slices; ``resume`` picks it up. Inside a rank started by
     ``medseg train --np N`` the same function runs on every rank; rank 0 alone writes the run
-    folder (checkpoints, metrics, plots, bundle); ``straggler`` (``RANK:FACTOR``) slows one rank.
+    folder (checkpoints, metrics, plots, bundle). Test-only emulation (a slow rank or phase) enters through
+    :mod:`medseg.distributed.emulation`, never through this function.
     """
     run_dir, ckpt_dir = cfg.run_dir, cfg.run_dir / "checkpoints"
     last_path, best_path, metrics_path = ckpt_dir / "last.pt", ckpt_dir / "best.pt", run_dir / "metrics.jsonl"
-    session = open_session(cfg, straggler)
+    session = open_session(cfg)
     handler, created = None, False
     try:
         # Rank 0 alone reads and writes the run folder; the other ranks (possibly in other
@@ -186,7 +173,7 @@ def _train(
     device = pick_device(t.device)
     use_amp = t.amp and device.type == "cuda"
     torch.manual_seed(t.seed)  # weight initialisation; each epoch reseeds its own draws
-    session.phase("load")
+    session.phase("read")  # the dataset's list and headers; "load" below reads and caches the cases
     # with sites: this rank's own site's folder only. With several ranks each checks the files of
     # the cases it loads (make_train_data), not all of them: at a quarter core, 160 cases' checks
     # took a rank 1.9 s of its start. Those checks come after train_start (a rank knows its cases
@@ -225,7 +212,6 @@ def _train(
     session.prepare(profile_step, model)
     session.phase("load")
     data = make_train_data(cfg, session, split, check_cases=several)  # this rank's own cases, cached once
-    _fault_delay("load", session.rank)
     session.report(
         {
             "ev": "loaded",
@@ -318,7 +304,6 @@ def _train(
         val_tic = time.perf_counter()
         if session.validates and data.val_loader is not None and due:
             session.phase("validate")
-            _fault_delay("validate", session.rank)
             model.eval()
             scores = task.validate(model, data.val_loader, device)
         if cfg.sites and due:

@@ -82,7 +82,7 @@ def test_gssp_fixed4_trains_like_bsp_and_keeps_the_staleness_bound(dist_data: Pa
     # the bsp ranks print every module file they execute (Python's verbose mode, on their stderr,
     # which horovodrun prefixes with the rank): none of launcher.UNUSED_IN_RANKS may be among them
     proc = medseg(
-        "train", "--config", str(bsp), "--np", "4", "--straggler", "3:2", env={"PYTHONVERBOSE": "1"}
+        "train", "--config", str(bsp), "--np", "4", env={"PYTHONVERBOSE": "1", "MEDSEG_STRAGGLER": "3:2"}
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     loaded = [line for line in proc.stdout.splitlines() if "<stderr>:# code object from" in line]
@@ -97,7 +97,7 @@ def test_gssp_fixed4_trains_like_bsp_and_keeps_the_staleness_bound(dist_data: Pa
     # matplotlib (launcher.UNUSED_IN_OTHER_RANKS): rank 0 plots the learning curve, the others never load it
     plots = {line.split("<stderr>", 1)[0] for line in loaded if "/site-packages/matplotlib/" in line}
     assert plots == {"[0]"}, plots
-    proc = medseg("train", "--config", str(gssp), "--np", "4", "--straggler", "3:2")
+    proc = medseg("train", "--config", str(gssp), "--np", "4", env={"MEDSEG_STRAGGLER": "3:2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     a = read_metrics(tmp_path / "runs" / "bsp" / "metrics.jsonl")
     b = read_metrics(tmp_path / "runs" / "gssp4" / "metrics.jsonl")
@@ -219,7 +219,7 @@ def test_measured_lead_respects_the_bound_and_exceeds_it_when_the_bound_is_off(
     for s in (1, 50):
         dist = {"sync": "gssp", "groups": [[0], [1]], "periods": [1, 1], "staleness": s}
         config = write_config(tmp_path, dist_data, f"lead{s}", dist, epochs=1)
-        proc = medseg("train", "--config", str(config), "--np", "2", "--straggler", "1:3")
+        proc = medseg("train", "--config", str(config), "--np", "2", env={"MEDSEG_STRAGGLER": "1:3"})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         leads[s] = max_lead_rounds(_rank_records(tmp_path / "runs" / f"lead{s}"))
     assert leads[1] is not None and leads[1] <= 1, leads

@@ -20,6 +20,7 @@ import pytest
 import torch
 from monai.data import MetaTensor
 
+from medseg import sysinfo
 from medseg.bench.infer import compare_labels, make_bundle, predict_reference, synthetic_ct
 from medseg.bundle.export import load_bundle
 from medseg.errors import DataError
@@ -214,7 +215,7 @@ def test_separable_and_grid_sample_inversions_agree() -> None:
 
 def test_memory_check_names_the_numbers(bundles, monkeypatch: pytest.MonkeyPatch) -> None:
     image = synthetic_ct((40, 40, 20))
-    monkeypatch.setattr(predict_memory, "available_bytes", lambda: 1)
+    monkeypatch.setattr(sysinfo, "available_memory", lambda: 1)
     with pytest.raises(
         DataError, match=r"would need about [0-9.]+ GB at its peak .* only 0.0 GB are available"
     ):
