@@ -8,7 +8,8 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.medseg-setup
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test bench lint app browser sites-deps dicom-deps vendor
+# Test tiers (markers set in tests/conftest.py): unit, train, mp, sites, browser, gpu.
+.PHONY: setup demo test test-fast bench lint app browser sites-deps dicom-deps vendor
 
 setup: $(STAMP) vendor
 
@@ -54,6 +55,10 @@ demo: setup
 
 test: setup browser sites-deps dicom-deps
 	$(BIN)/python -m pytest -q tests
+
+# The unit tier alone: no training, no Horovod ranks, no namespaces, no browser (a few minutes).
+test-fast: setup
+	$(BIN)/python -m pytest -q -m unit tests
 
 # The viewer on http://localhost:8501 (RUNS=dir, PORT=n to change).
 app: setup

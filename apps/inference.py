@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from monai.data import MetaTensor
 
-from medseg.bundle.export import Bundle
+from medseg.bundle.load import Bundle
 from medseg.inference.predict import Prediction, label_volumes, predict
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The models the viewer offers: every MONAI bundle under the runs folder and under folders the user names.
 
 Listing reads only each bundle's ``configs/metadata.json`` and ``configs/medseg.json``; the
-network itself is built by ``medseg.bundle.export.load_bundle`` when a model is chosen (the app caches
+network itself is built by ``medseg.bundle.load.load_bundle`` when a model is chosen (the app caches
 that with ``st.cache_resource``).
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from medseg.bundle.export import find_bundle, read_settings
+from medseg.bundle.load import find_bundle, read_settings
 from medseg.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def _evaluations(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _intensity(cfg: dict[str, Any]) -> str:
-    from medseg.bundle.export import intensity_text
+    from medseg.bundle.metadata import intensity_text
     from medseg.config import config_from_dict
 
     return intensity_text(config_from_dict(cfg))

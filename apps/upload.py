@@ -1,4 +1,4 @@
-"""Uploaded files -> a loaded image, through ``medseg.inference.predict.load_image`` (the path ``medseg infer`` reads with).
+"""Uploaded files -> a loaded image, through ``medseg.inference.io.load_image`` (the path ``medseg infer`` reads with).
 
 An upload is one NIfTI file, one zip (of a DICOM series folder, or holding one NIfTI file), or
 several DICOM files. The bytes are written to a private temporary folder, read, and the folder is
@@ -25,9 +25,10 @@ import numpy as np
 from monai.data import MetaTensor
 from pydicom.dataset import Dataset
 
-from medseg.datasets.dicom.reader import SeriesInfo, is_dicom_bytes, list_series, read_header
+from medseg.datasets.dicom.header import is_dicom_bytes, read_header
+from medseg.datasets.dicom.scan import SeriesInfo, list_series
 from medseg.errors import DataError, MedsegError
-from medseg.inference.predict import NIFTI_SUFFIXES, load_image
+from medseg.inference.io import NIFTI_SUFFIXES, load_image
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ uint8 NIfTI.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,38 +67,9 @@ def label_info(labels: dict[int, str]) -> list[dict[str, Any]]:
     ]
 
 
-def viewport(
-    volume: bytes,
-    volume_id: str,
-    affine: np.ndarray,
-    labels: bytes | None,
-    labels_id: str,
-    labels_meta: list[dict[str, Any]],
-    level: float | None,
-    width: float | None,
-    opacity: float,
-    height: int = 600,
-    key: str = "viewport",
-    editable: bool = False,
-    second: bytes | None = None,
-    second_id: str = "none",
-    second_name: str = "",
-    volume_name: str = "scan.nii",
-    side_by_side: bool = False,
-    second_filled: bytes | None = None,
-    first_name: str = "",
-    preview: int = 1,
-) -> dict[str, Any] | None:
-    """Draw the viewport; returns what the browser reported ({"webgl": bool, ...}), None before it has.
-
-    ``editable`` shows the brush, eraser and undo on the label map; once the user has drawn, the
-    report carries ``"edits": {"base": labels_id, "seq": n, "changed": voxels, "runs": [[start,
-    length, value], ...]}`` over the label map's stored i-fastest voxel order
-    (:func:`medseg.apps.review.apply_edits`). ``second`` is another label map on the same grid
-    (an uploaded mask or a second model's), drawn beside the first in one colour.
-    ``side_by_side`` with ``second_filled`` (that label map itself, uint8 NIfTI) shows two viewers
-    instead, left ``first_name``'s labels (``labels``), right ``second_name``'s, on the same scan,
-    their crosshairs, slices, zoom, layout and window linked (NiiVue's ``broadcastTo``).
+@dataclass(frozen=True)
+class ViewportSpec:
+    """What the viewport shows: the scan, the model's label map, a second mask, the display settings.
 
     ``affine`` is the scan's (the one in its NIfTI bytes): the readout gives the file's own voxel
     indices, ``round(inv(affine) @ mm)``, not NiiVue's RAS-reordered ones.
@@ -108,27 +80,61 @@ def viewport(
     ``preview`` > 1 says ``volume`` holds every ``preview``-th voxel of the scan (a large upload's
     first paint; the full scan follows under another ``volume_id``); ``affine`` is then the full
     scan's, so the readout gives the full scan's voxel indices.
+
+    ``editable`` shows the brush, eraser and undo on the label map; once the user has drawn, the
+    report carries ``"edits": {"base": labels_id, "seq": n, "changed": voxels, "runs": [[start,
+    length, value], ...]}`` over the label map's stored i-fastest voxel order
+    (:func:`medseg.apps.review.apply_edits`). ``second`` is another label map on the same grid
+    (an uploaded mask or a second model's), drawn beside the first in one colour.
+    ``side_by_side`` with ``second_filled`` (that label map itself, uint8 NIfTI) shows two viewers
+    instead, left ``first_name``'s labels (``labels``), right ``second_name``'s, on the same scan,
+    their crosshairs, slices, zoom, layout and window linked (NiiVue's ``broadcastTo``).
     """
+
+    volume: bytes
+    volume_id: str
+    affine: np.ndarray
+    volume_name: str = "scan.nii"
+    preview: int = 1
+    labels: bytes | None = None
+    labels_id: str = "none"
+    labels_meta: list[dict[str, Any]] = field(default_factory=list)  # :func:`label_info`
+    level: float | None = None
+    width: float | None = None
+    opacity: float = 0.4
+    height: int = 600
+    editable: bool = False
+    second: bytes | None = None
+    second_id: str = "none"
+    second_name: str = ""
+    side_by_side: bool = False
+    second_filled: bytes | None = None
+    first_name: str = ""
+
+
+def viewport(spec: ViewportSpec, key: str = "viewport") -> dict[str, Any] | None:
+    """Draw the viewport ``spec`` describes; returns what the browser reported ({"webgl": bool,
+    ...}, with the user's label edits once there are any), None before it has."""
     return _component(
-        volume=volume,
-        volume_id=volume_id,
-        affine=np.asarray(affine, dtype=np.float64).tolist(),
-        labels=labels,
-        labels_id=labels_id,
-        label_info=labels_meta,
-        volume_name=volume_name,
-        level=None if level is None else float(level),
-        width=None if width is None else float(width),
-        opacity=float(opacity),
-        height=int(height),
-        editable=bool(editable),
-        second=second,
-        second_id=second_id,
-        second_name=second_name,
-        side_by_side=bool(side_by_side and second_filled is not None),
-        second_filled=second_filled,
-        first_name=first_name,
-        preview=int(preview),
+        volume=spec.volume,
+        volume_id=spec.volume_id,
+        affine=np.asarray(spec.affine, dtype=np.float64).tolist(),
+        labels=spec.labels,
+        labels_id=spec.labels_id,
+        label_info=spec.labels_meta,
+        volume_name=spec.volume_name,
+        level=None if spec.level is None else float(spec.level),
+        width=None if spec.width is None else float(spec.width),
+        opacity=float(spec.opacity),
+        height=int(spec.height),
+        editable=bool(spec.editable),
+        second=spec.second,
+        second_id=spec.second_id,
+        second_name=spec.second_name,
+        side_by_side=bool(spec.side_by_side and spec.second_filled is not None),
+        second_filled=spec.second_filled,
+        first_name=spec.first_name,
+        preview=int(spec.preview),
         key=key,
         default=None,
     )

@@ -75,12 +75,8 @@ def _path_str(value: Any, json_path: Path, key: str) -> str:
     return value
 
 
-def load_dataset(root: str | os.PathLike[str]) -> DatasetInfo:
-    """Read ``root/dataset.json`` (Decathlon layout) and resolve its paths against ``root``.
-
-    Raises DataError when the folder or file is missing, the JSON is invalid, or a key is missing or
-    has the wrong type. Files themselves are not opened here: see ``medseg.datasets.validate``.
-    """
+def _dataset_json_path(root: str | os.PathLike[str]) -> Path:
+    """The resolved path of ``root/dataset.json``; DataError when the folder or file is missing."""
     root_path = Path(root).expanduser()
     json_path = root_path / DATASET_JSON
     if os.path.islink(root_path) and not root_path.exists():
@@ -93,9 +89,11 @@ def load_dataset(root: str | os.PathLike[str]) -> DatasetInfo:
         )
     if not json_path.is_file():
         raise DataError(f"{root_path} is not a dataset folder: no {DATASET_JSON}; {_NOT_A_DATASET_HINT}")
-    root_path = root_path.resolve()
-    json_path = root_path / DATASET_JSON
+    return root_path.resolve() / DATASET_JSON
 
+
+def _read_json_object(json_path: Path) -> dict[str, Any]:
+    """The top-level JSON object of ``json_path``; DataError when unreadable, invalid or not an object."""
     try:
         text = json_path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -110,30 +108,33 @@ def load_dataset(root: str | os.PathLike[str]) -> DatasetInfo:
         ) from exc
     if not isinstance(raw, dict):
         raise DataError(f"{json_path}: the top level must be a JSON object, got {type(raw).__name__}")
+    return raw
 
-    def require(key: str, kind: type, kind_name: str) -> Any:
-        if key not in raw:
-            raise DataError(
-                f"{json_path}: required key '{key}' is missing; add it (see README 'Data formats')"
-            )
-        value = raw[key]
-        if not isinstance(value, kind):
-            raise DataError(f"{json_path}: key '{key}' must be {kind_name}, got {type(value).__name__}")
-        return value
 
-    def optional(key: str, kind: type, kind_name: str, default: Any) -> Any:
-        if key not in raw or raw[key] is None:
-            return default
-        value = raw[key]
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise DataError(f"{json_path}: key '{key}' must be {kind_name}, got {type(value).__name__}")
-        return value
+def _require(raw: dict[str, Any], json_path: Path, key: str, kind: type, kind_name: str) -> Any:
+    """``raw[key]``, which must be present and of type ``kind``."""
+    if key not in raw:
+        raise DataError(f"{json_path}: required key '{key}' is missing; add it (see README 'Data formats')")
+    value = raw[key]
+    if not isinstance(value, kind):
+        raise DataError(f"{json_path}: key '{key}' must be {kind_name}, got {type(value).__name__}")
+    return value
 
-    task = optional("task", str, "a string", "segmentation")
-    if task not in TASKS:
-        raise DataError(f"{json_path}: key 'task' must be one of {list(TASKS)}, got {task!r}")
 
-    labels_raw = require("labels", dict, "an object mapping label values to names")
+def _optional(
+    raw: dict[str, Any], json_path: Path, key: str, kind: type, kind_name: str, default: Any
+) -> Any:
+    """``raw[key]`` of type ``kind`` (never a bool), or ``default`` when absent or null."""
+    if key not in raw or raw[key] is None:
+        return default
+    value = raw[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise DataError(f"{json_path}: key '{key}' must be {kind_name}, got {type(value).__name__}")
+    return value
+
+
+def _parse_labels(labels_raw: dict[str, Any], json_path: Path) -> dict[int, str]:
+    """``labels``: integer keys (written as strings) to name strings, at least one."""
     labels: dict[int, str] = {}
     for k, v in labels_raw.items():
         try:
@@ -147,11 +148,13 @@ def load_dataset(root: str | os.PathLike[str]) -> DatasetInfo:
         labels[ik] = v
     if not labels:
         raise DataError(f"{json_path}: key 'labels' is empty; declare at least one label or class")
+    return labels
 
-    modality_raw = optional("modality", dict, 'an object like {"0": "CT"}', {})
-    modality = {str(k): str(v) for k, v in modality_raw.items()}
 
-    training_raw = require("training", list, 'a list of {"image": ..., "label": ...} objects')
+def _parse_training(
+    training_raw: list[Any], root_path: Path, json_path: Path, task: str
+) -> list[dict[str, Any]]:
+    """``training`` items with absolute image paths, and label paths (segmentation) or integer classes."""
     training: list[dict[str, Any]] = []
     for i, item in enumerate(training_raw):
         key = f"training[{i}]"
@@ -170,8 +173,11 @@ def load_dataset(root: str | os.PathLike[str]) -> DatasetInfo:
                 f"{json_path}: '{key}.label' must be an integer class (a key of 'labels'), got {item['label']!r}"
             )
         training.append(entry)
+    return training
 
-    test_raw = optional("test", list, "a list of image paths", [])
+
+def _parse_test(test_raw: list[Any], root_path: Path, json_path: Path) -> list[dict[str, Any]]:
+    """``test`` items (image path strings or ``{"image": ...}`` objects) as objects with absolute paths."""
     test: list[dict[str, Any]] = []
     for i, item in enumerate(test_raw):
         key = f"test[{i}]"
@@ -183,18 +189,46 @@ def load_dataset(root: str | os.PathLike[str]) -> DatasetInfo:
         else:
             entry = {"image": _resolve(root_path, _path_str(item, json_path, key))}
         test.append(entry)
+    return test
+
+
+def load_dataset(root: str | os.PathLike[str]) -> DatasetInfo:
+    """Read ``root/dataset.json`` (Decathlon layout) and resolve its paths against ``root``.
+
+    Raises DataError when the folder or file is missing, the JSON is invalid, or a key is missing or
+    has the wrong type. Files themselves are not opened here: see ``medseg.datasets.validate``.
+    """
+    json_path = _dataset_json_path(root)
+    root_path = json_path.parent
+    raw = _read_json_object(json_path)
+
+    task = _optional(raw, json_path, "task", str, "a string", "segmentation")
+    if task not in TASKS:
+        raise DataError(f"{json_path}: key 'task' must be one of {list(TASKS)}, got {task!r}")
+    labels = _parse_labels(
+        _require(raw, json_path, "labels", dict, "an object mapping label values to names"), json_path
+    )
+    modality_raw = _optional(raw, json_path, "modality", dict, 'an object like {"0": "CT"}', {})
+    modality = {str(k): str(v) for k, v in modality_raw.items()}
+    training_raw = _require(
+        raw, json_path, "training", list, 'a list of {"image": ..., "label": ...} objects'
+    )
+    training = _parse_training(training_raw, root_path, json_path, task)
+    test = _parse_test(
+        _optional(raw, json_path, "test", list, "a list of image paths", []), root_path, json_path
+    )
 
     info = DatasetInfo(
         root=root_path,
-        name=optional("name", str, "a string", root_path.name),
+        name=_optional(raw, json_path, "name", str, "a string", root_path.name),
         task=task,
         modality=modality,
         labels=labels,
         training=training,
         test=test,
-        description=optional("description", str, "a string", ""),
-        num_training=optional("numTraining", int, "an integer", None),
-        num_test=optional("numTest", int, "an integer", None),
+        description=_optional(raw, json_path, "description", str, "a string", ""),
+        num_training=_optional(raw, json_path, "numTraining", int, "an integer", None),
+        num_test=_optional(raw, json_path, "numTest", int, "an integer", None),
     )
     logger.debug("loaded %s: %s, %d training, %d test", json_path, task, len(training), len(test))
     return info

@@ -6,7 +6,9 @@ per-step records, :mod:`medseg.distributed.launch.heartbeat`), joins medseg's ``
 channel (:mod:`medseg.distributed.comm.channel`), measures each rank's speed on a batch made
 beforehand, forms groups (by default one per host, i.e. per site), hands out each rank's own
 cases, wraps the optimizer for the chosen mode, lets a test's emulation slow a rank down
-(:mod:`medseg.distributed.emulation`), and gathers the epoch's numbers and every rank's synchronisation state on rank 0.
+(:mod:`medseg.distributed.emulation`), gathers the epoch's numbers on rank 0
+(:mod:`medseg.distributed.epoch_numbers`) and keeps each rank's synchronisation state on its own
+host (:mod:`medseg.distributed.sync_checkpoint`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import resource
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -24,8 +25,9 @@ from typing import Any
 import torch
 
 from medseg.config import Config
-from medseg.distributed import emulation
+from medseg.distributed import emulation, sync_checkpoint
 from medseg.distributed.comm import audit
+from medseg.distributed.epoch_numbers import job_numbers, rank_numbers
 from medseg.distributed.launch.heartbeat import BeatClient
 from medseg.distributed.sync.groups import (
     choose_groups,
@@ -354,11 +356,9 @@ class HorovodSession(LocalSession):
 
         The factor shrinks until an epoch holds ``dist.min_epoch_rounds`` rounds (or as many as
         rounds of the base periods give): the epoch's end waits for every round in flight, and
-        with fewer rounds per epoch the groups drift apart for longer between exchanges (at
-        20 Mbit/s, 4 rounds per epoch cost 0.022 held-out Dice against bsp, 7 rounds 0.013;
-        docs/benchmarks.md, "Between hospitals"). With site-local data (``sites:``) the rounds are
-        the measured ones and the floor does not apply: :func:`~medseg.distributed.site_data.site_share` fits the
-        epoch to each site's own cases.
+        with fewer rounds per epoch the groups drift apart for longer between exchanges. With
+        site-local data (``sites:``) the rounds are the measured ones and the floor does not apply:
+        :func:`~medseg.distributed.site_data.site_share` fits the epoch to each site's own cases.
         """
         if self.site is not None:
             from medseg.distributed.site_data import site_share
@@ -393,7 +393,10 @@ class HorovodSession(LocalSession):
         return self.channel.broadcast_object(state if self.is_chief else None, kind="parameters")
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
-        from medseg.distributed.sync.common import BulkSynchronous, GroupStale, LocalSGD, assign, flat
+        from medseg.distributed.sync.bsp import BulkSynchronous
+        from medseg.distributed.sync.common import assign, flat
+        from medseg.distributed.sync.gssp import GroupStale
+        from medseg.distributed.sync.local_sgd import LocalSGD
 
         d = self.dist
         if d.sync in ("gssp", "ssp") and d.compression == "fp16":
@@ -429,14 +432,6 @@ class HorovodSession(LocalSession):
             )
         return self.optimizer
 
-    def _shard(self) -> str:
-        """This rank's name for its synchronisation state: ``r<rank>``, or with sites ``<site>-<i>``
-        (its index among its site's ranks), so that a restart with fewer sites finds it by name."""
-        if self.site is None:
-            return f"r{self.rank}"
-        mine = [r for r, s in enumerate(self.rank_sites) if s == self.site]
-        return f"{self.site}-{mine.index(self.rank)}"
-
     def gather_site_local(self, optimizer: Any) -> dict[str, Any] | None:
         """With ``dist.local_norm`` and sites: each site leader's normalisation tensors, on rank 0.
 
@@ -454,46 +449,22 @@ class HorovodSession(LocalSession):
         return {site: loc for site, loc in states if loc}
 
     def save_sync_state(self, optimizer: Any, run_dir: Path, epoch: int) -> dict[str, int] | None:
-        """Write this rank's synchronisation state (residuals, moments) beside it, on its own host.
-
-        Each rank saves ``optimizer.sync_state()`` to ``run_dir/checkpoints/sync/<shard>-e<epoch>.pt``
-        (:meth:`_shard`; atomically) and keeps the previous epoch's too, in case the chief's checkpoint of this
-        epoch is never written. Nothing crosses the network: sending every rank's residuals to
-        rank 0 each epoch cost about a fifth of bsp-fixed4's WAN bytes. Returns the marker the
-        chief puts in its checkpoint, ``{"epoch": e, "ranks": n}``.
-        """
-        from medseg.checkpoint import save_checkpoint
-
-        folder = run_dir / "checkpoints" / "sync"
-        save_checkpoint(
-            {"epoch": epoch, "rank": self.rank, "state": optimizer.sync_state()},
-            folder / f"{self._shard()}-e{epoch}.pt",
-        )
-        for old in folder.glob(f"{self._shard()}-e*.pt"):
-            if int(old.stem.rsplit("-e", 1)[1]) < epoch - 1:
-                old.unlink(missing_ok=True)
+        """Write this rank's synchronisation state on its own host (:mod:`.sync_checkpoint`); return
+        the marker the chief puts in its checkpoint, ``{"epoch": e, "ranks": n}``."""
+        shard = sync_checkpoint.shard_name(self.rank, self.site, self.rank_sites)
+        sync_checkpoint.save(optimizer.sync_state(), run_dir, epoch, self.rank, shard)
         return {"epoch": epoch, "ranks": self.size}
 
     def load_sync_state(self, optimizer: Any, run_dir: Path, marker: dict[str, int] | None) -> None:
         """Restore this rank's state of the checkpoint's epoch; without it, residuals restart (warned)."""
-        from medseg.checkpoint import load_checkpoint
-
         if not marker:
             return
-        path = run_dir / "checkpoints" / "sync" / f"{self._shard()}-e{marker['epoch']}.pt"
-        # with sites, a restart with fewer sites finds each remaining site's state by its name
-        if (self.site is None and marker.get("ranks") != self.size) or not path.is_file():
-            log.warning(
-                "rank %d: no synchronisation state of epoch %d for %d ranks at %s (checkpoint made by %s ranks): "
-                "residuals and moments restart",
-                self.rank,
-                marker["epoch"],
-                self.size,
-                path,
-                marker.get("ranks"),
-            )
-            return
-        optimizer.load_sync_state(load_checkpoint(path)["state"])
+        shard = sync_checkpoint.shard_name(self.rank, self.site, self.rank_sites)
+        state = sync_checkpoint.load(
+            run_dir, shard, marker, self.rank, self.size, by_site=self.site is not None
+        )
+        if state is not None:
+            optimizer.load_sync_state(state)
 
     # -- per step -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -542,43 +513,13 @@ class HorovodSession(LocalSession):
         optimizer.end_epoch()
         stats = optimizer.stats
         wall = time.perf_counter() - self.epoch_tic
-        mine = {
-            "samples": self.epoch_samples,
-            "steps": stats.steps,
-            "bytes": stats.bytes_sent,
-            "wan_bytes": stats.wan_bytes + self.setup_wan_bytes,
-            "site_s": stats.site_s,
-            "wan_wait_s": stats.wan_wait_s,
-            "max_staleness": max(stats.staleness, default=0),
-            "wall_s": wall,
-            "slept_s": self.emulation.slept_s,
-            "compute_s": self.compute_s,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        }
+        mine = rank_numbers(
+            stats, self.epoch_samples, self.setup_wan_bytes, wall, self.emulation.slept_s, self.compute_s
+        )
         everyone = self.channel.gather_objects(mine, kind="metrics")
         stats.reset()
         self.setup_wan_bytes = 0  # set-up transfers are counted once, with the first epoch
-        slowest = max(r["wall_s"] for r in everyone)
-        return {
-            "dist_samples_per_s": sum(r["samples"] for r in everyone) / slowest,
-            "dist_epoch_s": slowest,
-            "dist_bytes_per_step": sum(r["bytes"] / max(r["steps"], 1) for r in everyone) / len(everyone),
-            "dist_wan_bytes": sum(r["wan_bytes"] for r in everyone),
-            "dist_max_staleness": max(r["max_staleness"] for r in everyone),
-            "dist_wait_s": max(r["wan_wait_s"] for r in everyone),
-            "dist_groups": self.groups,
-            "dist_periods": self.periods,
-            "dist_wan_factor": self.wan_factor,
-            "dist_exchange_s": self.exchange_s,
-            # per rank: compute (forward, backward, straggler sleep), in-site averaging, waiting on other sites
-            "dist_rank_time": [
-                {k: round(r[k], 3) for k in ("compute_s", "site_s", "wan_wait_s", "wall_s")} for r in everyone
-            ],
-            "dist_rank_peak_rss_mb": [round(r["peak_rss_mb"]) for r in everyone],
-            "dist_rank_speeds": [
-                round(r["samples"] / r["compute_s"], 3) if r["compute_s"] else None for r in everyone
-            ],
-        }
+        return job_numbers(everyone, self.groups, self.periods, self.wan_factor, self.exchange_s)
 
     def close(self) -> None:
         self.beats.set_phase("done")  # the watchdog stops expecting beats from this rank

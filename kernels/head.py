@@ -1,10 +1,10 @@
 """The network's last convolution ("head") fused with the Dice + CE loss: no full-resolution logits.
 
-Why (docs/benchmarks.md, ``unet-14cls``): with the fused loss (``loss.py``) the logits are still
-saved for backward, and backward still builds their full gradient: 2 x C maps per voxel. With 14
-classes that is 56 MiB of a 148 MiB fused peak at 64³. Here the loss receives the head's *input*
-features h (kept anyway: the head's convolution needs them for its weight gradient) with the head's
-weight W and bias β, and makes the logits one depth slab at a time, never all at once.
+Why: with the fused loss (``loss.py``) the logits are still saved for backward, and backward still
+builds their full gradient: 2 x C maps per voxel, a large share of the step's peak when C is large
+(docs/benchmarks.md, ``unet-14cls``). Here the loss receives the head's *input* features h (kept
+anyway: the head's convolution needs them for its weight gradient) with the head's weight W and
+bias β, and makes the logits one depth slab at a time, never all at once.
 
 Maths. The head is ``z = conv(h; W, β) [+ h]`` (a stride-1 "same" 3D convolution with odd kernel k,
 zero padding k//2, and for MONAI's UNet an identity residual), z the logits (N, C, D, H, W). The loss
@@ -30,9 +30,10 @@ Exact up to the order of floating-point sums (slab by slab instead of all at onc
 backward: h (the same storage the layer before keeps, so no new bytes), W, β, the labels (uint8)
 and the (N, C) coefficients. Alive at once: one slab's logits, logits gradient and their
 convolution buffers (a slab holds at most ``SLAB_BYTES`` of the wider of h and the logits, counted
-with channels padded to oneDNN's blocks of 16, since a 3-class map is convolved as 16) and the full ∂h, which the rest of backward needs anyway. The slab loss terms and
-logits gradients run on ``loss.py``'s native CPU/CUDA kernels (``ops_for``), the PyTorch reference
-without them; the convolutions are PyTorch's own (oneDNN / cuDNN).
+with channels padded to oneDNN's blocks of 16, since a 3-class map is convolved as 16) and the full
+∂h, which the rest of backward needs anyway. The slab loss terms and logits gradients run on
+:mod:`medseg.kernels.dice_ce`'s ops (native CPU/CUDA kernels, the PyTorch reference without them);
+the convolutions are PyTorch's own (oneDNN / cuDNN).
 
 Wiring (``train.memory: fused``): ``optimize_memory`` turns the head module into a
 :class:`DeferredHead` (class swap: parameter names and state_dicts are unchanged). Inside
@@ -60,8 +61,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medseg.kernels import loss as _loss
-from medseg.kernels.loss import _coefficients, label_tensor
+from medseg.kernels import dice_ce
+from medseg.kernels.dice_ce import SMOOTH, dice_coefficients, include_mask, label_tensor
 
 SLAB_BYTES = 4 * 2**20  # one slab's map of the wider of h and the logits, channels padded to 16
 BLOCK = 16  # oneDNN convolves in blocks of 16 channels (AVX-512; 8 on AVX2): a 3-channel map costs 16
@@ -111,16 +112,13 @@ class _HeadDiceCE(torch.autograd.Function):
             for d0, d1 in slabs:
                 z, *_ = _slab_logits(h, weight, bias, d0, d1, p, residual)
                 zf = z.view(n, c, -1)
-                st, ce = _loss.ops_for(zf).forward(zf, labels[:, d0 * plane : d1 * plane].contiguous())
+                st, ce = dice_ce.ops_for(zf).forward(zf, labels[:, d0 * plane : d1 * plane].contiguous())
                 stats += st
                 ce_sum += ce[:, 0] if ce.dim() == 2 else ce
                 del z, zf
-        include = torch.ones(c, dtype=torch.float64, device=h.device)
-        if not include_background:
-            include[0] = 0
-        k = c - (0 if include_background else 1)
+        include, k = include_mask(c, include_background, h.device)
         s = depth * plane
-        f, a, b = _coefficients(stats, include, lambda_dice, smooth[0], smooth[1])
+        f, a, b = dice_coefficients(stats, include, smooth[0], smooth[1])
         loss = lambda_dice * f.sum() / (n * k) + lambda_ce * ce_sum.sum() / (n * s)
         ctx.save_for_backward(h, weight, bias, labels, a, b)
         ctx.conf = (residual, slabs, (lambda_dice / (n * k), lambda_ce / (n * s)))
@@ -148,7 +146,9 @@ class _HeadDiceCE(torch.autograd.Function):
                 z, hs, lo, front = _slab_logits(h, weight, bias, d0, d1, p, residual)
                 zf = z.view(n, c, -1)
                 gz = torch.empty_like(zf)
-                _loss.ops_for(zf).backward(zf, labels[:, d0 * plane : d1 * plane].contiguous(), aw, bw, e, gz)
+                dice_ce.ops_for(zf).backward(
+                    zf, labels[:, d0 * plane : d1 * plane].contiguous(), aw, bw, e, gz
+                )
                 del z, zf
                 gz = gz.view(n, c, d1 - d0, *h.shape[3:])
                 if need_h or need_w:
@@ -178,8 +178,8 @@ def head_dice_ce(
     include_background: bool = True,
     lambda_dice: float = 1.0,
     lambda_ce: float = 1.0,
-    smooth_nr: float = 1e-5,
-    smooth_dr: float = 1e-5,
+    smooth_nr: float = SMOOTH,
+    smooth_dr: float = SMOOTH,
 ) -> torch.Tensor:
     """Dice + CE of ``conv(h) [+ h]`` against class-index ``target``, in depth slabs (module docstring)."""
     check_conv(conv)

@@ -5,11 +5,10 @@ loss medseg trains with: ``include_background=True`` (configurable), ``squared_p
 ``jaccard=False``, ``smooth_nr = smooth_dr = 1e-5``, ``batch=False``, ``reduction="mean"``,
 no class weights, ``lambda_dice = lambda_ce = 1``, no label smoothing.
 
-Maths, for logits x of shape (N, C, S) (S voxels), integer labels y of shape (N, S), classes K
-(all C, or 1..C-1 without background), p = softmax_c(x):
+For logits x of shape (N, C, S) (S voxels), integer labels y of shape (N, S), classes K (all C,
+or 1..C-1 without background), p = softmax_c(x) and the sums I, P, G, D of :mod:`medseg.kernels.dice_ce`:
 
 forward
-    I_nc = Σ_s p_ncs [y_ns = c],  P_nc = Σ_s p_ncs,  G_nc = Σ_s [y_ns = c],  D_nc = P_nc + G_nc + s_d
     dice = 1/(N|K|) Σ_{n, c∈K} (1 − (2 I_nc + s_n) / D_nc)
     ce   = 1/(N S) Σ_{n,s} (logsumexp_c x_n·s − x_{n y_ns s})
     L    = λ_d dice + λ_c ce
@@ -18,12 +17,9 @@ backward (upstream gradient ḡ, a scalar)
               w = ḡ λ_d / (N|K|)  (a = b = 0 for c ∉ K)
     ∂L/∂x_ncs = p_ncs (g_ncs − Σ_k p_nks g_nks) + e (p_ncs − [y_ns = c]),  e = ḡ λ_c / (N S)
 
-Forward reduces each voxel's C logits to the (N, C) sums I, P, G and the cross-entropy sum; no
-softmax, one-hot or log-softmax map is stored. Backward recomputes p voxel by voxel from the saved
-logits. Saved for backward: the logits (the network's output, which the last convolution does not
-keep), the labels as uint8 (int32 beyond 255 classes) and the (N, C) sums. The native CPU/CUDA
-kernels are in ``csrc/dice_ce*``; :class:`DiceCEReference` below is the same maths in PyTorch and
-the fallback when they are not built.
+Saved for backward: the logits (the network's output, which the last convolution does not keep),
+the labels as uint8 (int32 beyond 255 classes) and the (N, C) coefficients. The per-voxel work runs
+on the ops of :mod:`medseg.kernels.dice_ce` (native CPU/CUDA kernels, or the PyTorch reference).
 
 Limits: softmax with integer labels only. Sigmoid / multi-label targets, class weights, label
 smoothing, ``batch=True``, squared or Jaccard Dice are **not** supported: construct MONAI's
@@ -37,88 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from medseg.kernels import native
-
-SMOOTH = 1e-5  # MONAI DiceLoss's default smooth_nr and smooth_dr
-_NATIVE_DTYPES = (torch.float32, torch.float64)
-
-
-def label_tensor(target: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Labels (N, 1, *spatial) or (N, *spatial), float or integer, as contiguous (N, S) uint8/int32.
-
-    Checks, without a device-to-host sync (``torch._assert_async``), that every label is an
-    integer in [0, C): MONAI's one-hot would otherwise silently accept 1.5 or fail on 14 later.
-    """
-    y = target.as_subclass(torch.Tensor) if type(target) is not torch.Tensor else target
-    if y.dim() >= 2 and y.shape[1] == 1:
-        y = y[:, 0]
-    y = y.reshape(y.shape[0], -1)
-    ok = (y >= 0) & (y < num_classes)
-    if y.is_floating_point():
-        ok &= y == torch.floor(y)
-    torch._assert_async(ok.all(), "fused DiceCE: labels must be integers in [0, num_classes)")
-    dtype = torch.uint8 if num_classes <= 255 else torch.int32
-    return y.to(dtype).contiguous()
-
-
-class DiceCEReference:
-    """The fused loss's two ops in plain PyTorch (full-size temporaries; the fallback backend).
-
-    ``forward(x, y, num_classes) -> (stats (N, C, 3) float64 [I, P, G], ce_sum (N,) float64)``
-    ``backward(x, y, a, b, e, grad_in)``: writes ∂L/∂x into ``grad_in`` (see module docstring).
-    """
-
-    @staticmethod
-    def forward(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        yl = y.long()
-        logp = torch.log_softmax(x, dim=1)
-        p = logp.exp()
-        onehot = torch.zeros_like(p).scatter_(1, yl[:, None], 1.0)
-        stats = torch.stack([(p * onehot).sum(2), p.sum(2), onehot.sum(2)], dim=2).double()
-        ce = -logp.gather(1, yl[:, None])[:, 0].double().sum(1)
-        return stats, ce
-
-    @staticmethod
-    def backward(
-        x: torch.Tensor,
-        y: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        e: torch.Tensor,
-        grad_in: torch.Tensor,
-    ) -> None:
-        yl = y.long()[:, None]
-        p = torch.softmax(x, dim=1)
-        onehot = torch.zeros_like(p).scatter_(1, yl, 1.0)
-        g = a.to(x.dtype)[..., None] * onehot + b.to(x.dtype)[..., None]
-        dot = (p * g).sum(1, keepdim=True)
-        grad_in.copy_(p * (g - dot) + e.to(x.dtype).reshape(-1, 1, 1) * (p - onehot))
-
-
-def ops_for(x: torch.Tensor) -> Any:
-    """Native ``dice_ce_forward``/``dice_ce_backward`` for float32/64 when built, else the reference."""
-    if x.dtype in _NATIVE_DTYPES and native.backend_name(x.device) != "reference":
-        mod = native.load()
-        return _Native(mod)
-    return DiceCEReference
-
-
-class _Native:
-    def __init__(self, mod: Any) -> None:
-        self.forward, self.backward = mod.dice_ce_forward, mod.dice_ce_backward
-
-
-def _coefficients(
-    stats: torch.Tensor, include: torch.Tensor, lambda_dice: float, smooth_nr: float, smooth_dr: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-(n, c) Dice terms f, and the backward coefficients a, b before the scale w (float64)."""
-    inter, pred, ground = stats.unbind(2)
-    denom = pred + ground + smooth_dr
-    num = 2 * inter + smooth_nr
-    f = (1 - num / denom) * include
-    a = (-2 / denom) * include
-    b = (num / denom**2) * include
-    return f, a, b
+from medseg.kernels import dice_ce
+from medseg.kernels.dice_ce import SMOOTH, dice_coefficients, include_mask, label_tensor
+from medseg.kernels.head import head_dice_ce
 
 
 class _FusedDiceCE(torch.autograd.Function):
@@ -127,14 +44,11 @@ class _FusedDiceCE(torch.autograd.Function):
     def forward(ctx, logits, labels, include_background, lambda_dice, lambda_ce, smooth_nr, smooth_dr):
         x = logits.contiguous().view(logits.shape[0], logits.shape[1], -1)
         n, c, s = x.shape
-        stats, ce_sum = ops_for(x).forward(x, labels)
+        stats, ce_sum = dice_ce.ops_for(x).forward(x, labels)
         if ce_sum.dim() == 2:  # native: (Σ CE, labels outside [0, C)); label_tensor() already checked them
             ce_sum = ce_sum[:, 0]
-        include = torch.ones(c, dtype=torch.float64, device=x.device)
-        if not include_background:
-            include[0] = 0
-        k = c - (0 if include_background else 1)
-        f, a, b = _coefficients(stats, include, lambda_dice, smooth_nr, smooth_dr)
+        include, k = include_mask(c, include_background, x.device)
+        f, a, b = dice_coefficients(stats, include, smooth_nr, smooth_dr)
         dice = f.sum() / (n * k)
         ce = ce_sum.sum() / (n * s)
         loss = lambda_dice * dice + lambda_ce * ce
@@ -150,7 +64,9 @@ class _FusedDiceCE(torch.autograd.Function):
         g = grad.double()
         w, e = g * ctx.scale[0], g * ctx.scale[1]
         grad_in = torch.empty_like(x)
-        ops_for(x).backward(x, labels, (a * w).contiguous(), (b * w).contiguous(), e.reshape(1), grad_in)
+        dice_ce.ops_for(x).backward(
+            x, labels, (a * w).contiguous(), (b * w).contiguous(), e.reshape(1), grad_in
+        )
         return grad_in.view_as(logits), None, None, None, None, None, None
 
 
@@ -201,8 +117,6 @@ class FusedDiceCELoss(nn.Module):
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         head = logits.__dict__.get("_medseg_head")
         if head is not None:  # a fused head's placeholder (head.py): the logits are made slab by slab
-            from medseg.kernels.head import head_dice_ce
-
             h, conv, residual = head
             return head_dice_ce(
                 h, conv, residual, target, self.include_background, self.lambda_dice, self.lambda_ce,

@@ -10,7 +10,7 @@ says so. The module's functions (integer codes in ``NORM_CODES`` / ``ACT_CODES``
              from_output, stats_grad, grad_in) -> (dweight | None, dbias | None, dprelu | None)
     with_cuda() -> bool
     dice_ce_forward(x, y) -> (stats, ce);  dice_ce_backward(x, y, a, b, e, grad_in) -> None
-                                            (the fused Dice + CE loss, medseg.kernels.loss)
+                                            (the fused Dice + CE ops, medseg.kernels.dice_ce)
 
 Builds go to ``~/.cache/medseg/torch_extensions/<torch>-<cpXY>-<cpu|cuXY>`` (``MEDSEG_KERNEL_CACHE``
 overrides the folder), under an exclusive file lock so that concurrent processes build once.

@@ -44,7 +44,7 @@ def make_volume(out: Path) -> Path:
 def bench_functions(run: Path, case: Path, repeats: int) -> dict[str, float]:
     from medseg.apps import render, upload
     from medseg.apps.inference import run_model
-    from medseg.bundle.export import load_bundle
+    from medseg.bundle.load import load_bundle
 
     t0 = time.perf_counter()
     bundle = load_bundle(run)
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, help="update this file's bench:app section")
     ap.add_argument("--note", default="", help="a sentence to add to the markdown section")
     args = ap.parse_args(argv)
-    from medseg.bundle.export import find_bundle
+    from medseg.bundle.load import find_bundle
 
     run = find_bundle(args.run)
     with tempfile.TemporaryDirectory(prefix="bench-app-") as tmp:

@@ -18,7 +18,8 @@ import math
 import time
 from pathlib import Path
 
-from medseg.planning.planner import format_verify, plan, verify
+from medseg.planning.plan_io import format_verify, verify
+from medseg.planning.planner import plan
 
 BUDGET_GB = {"unet": 0.1, "segresnet": 0.25, "dynunet": 1.0}
 

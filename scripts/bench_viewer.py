@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.first_paint_only and args.markdown:
         ap.error("--first-paint-only measures one row; the bench:viewer section needs a full run")
     from medseg.bench.report import replace_section, write_json
-    from medseg.bundle.export import find_bundle
+    from medseg.bundle.load import find_bundle
 
     bundle = find_bundle(args.run)
     load_before = os.getloadavg()[0]

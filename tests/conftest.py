@@ -1,7 +1,19 @@
-"""Shared fixtures: tiny synthetic datasets and one tiny trained run per test session."""
+"""Shared fixtures (tiny synthetic datasets, one tiny trained run per test session) and the test tiers.
+
+Every test gets exactly one tier marker, set here from what the test uses, so that nobody has to
+remember to mark a test:
+
+- ``sites``: the emulated hospital network (tests/testbed/: namespaces, tc, sshd; needs root);
+- ``browser``: a real Chromium against a real Streamlit server (files named ``*browser*``);
+- ``gpu``: a CUDA device or nvcc (skipped without one);
+- ``mp``: several Horovod ranks or launched processes (the test runs ``horovodrun`` or ``--np``);
+- ``train``: trains a model (uses a trained-run fixture or calls ``train``);
+- ``unit``: everything else; ``make test-fast`` runs this tier.
+"""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -9,6 +21,44 @@ import pytest
 from medseg.config import Config, config_from_dict
 from medseg.datasets.synthetic import make_cls_dataset, make_seg_dataset
 from medseg.training.loop import train
+
+
+TRAINED_FIXTURES = {"seg_run", "cls_run", "app_runs"}
+MP_SIGNS = ('"--np"', "horovodrun", "HOROVODRUN", "MEDSEG_WORKER")
+TRAIN_SIGNS = ("train(", '"train"', "train_run(")
+
+
+def needs_gpu(item: pytest.Item) -> bool:
+    """A skip condition about CUDA or nvcc, or a ``cuda`` device parameter."""
+    reasons = " ".join(str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")).lower()
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return "cuda" in reasons or "nvcc" in reasons or "cuda" in map(str, params.values())
+
+
+def tier_of(item: pytest.Item) -> str:
+    """The one tier of a collected test (see the module docstring for the rules)."""
+    path = Path(str(item.fspath))
+    if path.parent.name == "testbed":
+        return "sites"
+    if "browser" in path.name:
+        return "browser"
+    if needs_gpu(item):
+        return "gpu"
+    try:
+        source = inspect.getsource(item.function)  # type: ignore[attr-defined]
+    except (AttributeError, OSError, TypeError):
+        source = ""
+    if any(sign in source for sign in MP_SIGNS):
+        return "mp"
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if fixtures & TRAINED_FIXTURES or any(sign in source for sign in TRAIN_SIGNS):
+        return "train"
+    return "unit"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(item)))
 
 
 def tiny_seg_config(data_dir: Path, runs_dir: Path, name: str = "tiny-seg", **train_overrides) -> Config:

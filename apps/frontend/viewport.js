@@ -341,8 +341,8 @@
   }
 
   // Motion resolution. Without a GPU (Chrome's SwiftShader, Mesa's llvmpipe) a frame costs time in
-  // proportion to its pixels: measured 43-62 ms from a wheel step to the finished frame of a 745 x 600
-  // canvas on 2 cores, against the 50 ms a scroll step may take (docs/benchmarks.md, "viewer"). There,
+  // proportion to its pixels, and a full-size canvas can take longer than the 50 ms a scroll step may
+  // take (docs/benchmarks.md, "viewer", has the measurements). There,
   // while slices are scrolled (wheel, arrow and page keys) every frame is drawn at MOTION_SCALE of the
   // resolution along each axis (a quarter of the pixels, scaled up by the browser), and at full
   // resolution again once scrolling has rested for state.motionRestMs, or at once when a button is

@@ -2,12 +2,11 @@
 
 Why a second channel. Horovod runs every CPU (Gloo) collective of a process, whatever its process
 set, one after another in one background thread, and each of that thread's cycles first
-coordinates every process set, the global one included. Measured on this project's machines
-(docs/design.md, "Where each collective runs"): 40 in-group allreduces of 137k floats took 0.50 s
-alone and 1.59 s while one 100 MB global ``allreduce_async_`` was pending, and across emulated
-hospitals every in-site Horovod allreduce paid the WAN round trip (53-57 ms at 25 ms one-way,
-against 1-2 ms on a ``torch.distributed`` group of the site). An "asynchronous" cross-site exchange
-on Horovod therefore stalls the sites, and Horovod process sets do not isolate sites.
+coordinates every process set, the global one included. So an in-group allreduce waits while a
+global ``allreduce_async_`` is pending, and across hospitals every in-site Horovod allreduce pays
+the WAN round trip, which a ``torch.distributed`` group of the site does not (the measurements are
+in docs/design.md, "Where each collective runs"). An "asynchronous" cross-site exchange on Horovod
+therefore stalls the sites, and Horovod process sets do not isolate sites.
 
 So every rank of a launched job also joins a private Gloo job of its own, made from Horovod's rank
 and size (rank 0 hosts a ``torch.distributed`` TCP store on its own address and announces it with

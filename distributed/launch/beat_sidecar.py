@@ -1,11 +1,11 @@
 """A rank's liveness beats, sent by a small helper process instead of a thread of the rank.
 
-Why a process: a Horovod rank can block inside Horovod with Python's GIL held. Measured here
-(2 ranks, ``sync: bsp``, rank 1 stopped with SIGSTOP during a step): rank 0's main thread sat in
+Why a process: a Horovod rank can block inside Horovod with Python's GIL held. With 2 ranks under
+``sync: bsp`` and rank 1 stopped (SIGSTOP) during a step, rank 0's main thread sits in
 ``horovod.torch.mpi_ops._allreduce_async`` (the enqueue called from a gradient hook) for as long as
-rank 1 was stopped, and rank 0's beat thread could not run. The launcher then heard nothing from
-*either* rank and named rank 0, the healthy one, as the rank that stopped responding (one run in
-three under load; CI hit it). A beat from another process does not need the rank's GIL.
+rank 1 is stopped, and a beat thread of rank 0 cannot run. The launcher would then hear nothing
+from *either* rank and could name rank 0, the healthy one, as the rank that stopped responding. A
+beat from another process does not need the rank's GIL.
 
 What a beat means: every ``interval`` seconds the helper reads the rank's scheduler state from
 ``/proc/<pid>/stat`` and sends ``{"rank", "host", "node", "ev": "alive"}`` unless the rank is

@@ -5,9 +5,8 @@ Run as a file (:func:`medseg.distributed.launch.launcher.horovodrun_command`), n
 
 ``horovodrun --gloo`` first asks whether Horovod was built with Gloo (``horovod.common.util.gloo_built``).
 It answers by forking a child per framework extension that imports it (``horovod.tensorflow``, then
-``horovod.torch`` with all of PyTorch), on every launch: measured here (``cProfile`` of one
-``horovodrun -np 4 --gloo`` through the sites testbed) 2.2 s of the 4.0 s between the launch and the
-ranks' first line, before any rank starts. A job of ``medseg bench sites`` pays it per run.
+``horovod.torch`` with all of PyTorch), on every launch, before any rank starts: seconds of the
+time between the launch and the ranks' first line. A job of ``medseg bench sites`` pays it per run.
 
 Here the question goes to each rank instead, where the answer costs nothing: the rank has already
 imported ``horovod.torch``, and :class:`medseg.distributed.session.HorovodSession` refuses to start

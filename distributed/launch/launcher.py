@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from medseg.config import Config
-from medseg.distributed.launch.heartbeat import BEAT_ADDR_ENV, BeatServer, Watchdog, describe
+from medseg.distributed.launch.heartbeat import BEAT_ADDR_ENV, BeatServer, RankState, Watchdog, describe
 from medseg.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,8 @@ class ExitLog:
 
     horovodrun blames the rank whose exit its per-rank thread *noticed* first. When a rank is killed
     (SIGKILL from the OOM killer or a user, a segfault), its peers' collectives fail at once and a
-    peer may exit with status 1 before horovodrun notices the dead rank (one run in six here, on a
-    2-core machine under load), so the healthy rank would be named. :meth:`culprit` therefore
+    peer may exit with status 1 before horovodrun notices the dead rank (more likely on a loaded
+    machine), so the healthy rank would be named. :meth:`culprit` therefore
     prefers a rank that was ended by a signal horovodrun did not send (anything but SIGTERM: a rank
     ends with status ``128 + signal`` or ``-signal``) over the first reported failure.
     """
@@ -133,7 +133,10 @@ class _Attempt:
     reported: str = ""  # a MedsegError a rank reported (bad data or config: not a site failure)
 
 
-def _assign(entries: list[tuple[str, str, int]], np_: int) -> list[int]:
+_Entry = tuple[str, str, int]  # a --hosts entry: (label, host for horovodrun, slots)
+
+
+def _assign(entries: list[_Entry], np_: int) -> list[int]:
     """Index into ``entries`` of every rank: horovodrun fills the hosts in ``-H`` order, slot by slot."""
     out: list[int] = []
     for i, (_, _, slots) in enumerate(entries):
@@ -169,38 +172,13 @@ def launch(
     rejoins at the next restart. A rank that stops on a medseg error (bad data, bad config) is not a
     dropout: the job stops with that error.
     """
-    if np_ < 1:
-        raise ConfigError("--np: needs at least 1 rank")
-    if max_restarts < 0 or min_sites < 1:
-        raise ConfigError("--max-restarts must be >= 0 and --min-sites >= 1")
-    if cfg.dist.sync == "none":
-        raise ConfigError(
-            "dist.sync: 'none' trains in one process; pick bsp, gssp, ssp or local-sgd for --np"
-        )
     last = cfg.run_dir / "checkpoints" / "last.pt"
-    if not resume and last.exists():
-        raise RunError(
-            f"{cfg.run_dir}: already holds a run; pass --resume to continue it, or name=<new name> to start another"
-        )
-    if cfg.sites and not hosts:
-        raise ConfigError(
-            f"sites: name the sites and their ranks in --hosts, e.g. --hosts {','.join(f'{s}:1' for s in cfg.sites)}"
-        )
+    _check_job(cfg, np_, hosts, resume, max_restarts, min_sites, last)
     if not resume:
         shutil.rmtree(cfg.run_dir / "audit", ignore_errors=True)  # each site's log of what it sent
-    if hosts:
-        from medseg.distributed.site_data import horovodrun_hosts
-
-        parse_hosts(hosts, np_)
-        translated, labels = horovodrun_hosts(cfg, hosts)
-        entries = [
-            (label, item.rpartition(":")[0], int(item.rpartition(":")[2]))
-            for label, item in zip(labels, translated.split(","))
-        ]
-    else:
-        entries = [("localhost", "localhost", np_)]
+    entries = _host_entries(cfg, hosts, np_)
     active = [e for i, e in enumerate(entries) if i in set(_assign(entries, np_))]
-    dropped: list[tuple[str, str, int]] = []
+    dropped: list[_Entry] = []
     restarts = 0
     while True:
         n = len(_assign(active, np_))
@@ -209,13 +187,7 @@ def launch(
         if outcome.ok:
             return
         if outcome.reported or outcome.rank is None or restarts >= max_restarts or outcome.code == 2:
-            hint = f"continue with `medseg train --config {config_path} --np {n} --resume`"
-            if outcome.reported:
-                raise RunError(outcome.reported)
-            note = f"{_checkpoint_note(last)}; {hint}"
-            if max_restarts:
-                note = f"{restarts} of --max-restarts {max_restarts} used. " + note
-            raise RunError(f"{outcome.message}. {note}")
+            _give_up(outcome, config_path, n, last, restarts, max_restarts)
         lost = active[_assign(active, np_)[outcome.rank]]
         back = [e for e in dropped if _reachable(e[1])]
         dropped = [e for e in dropped if e not in back] + [lost]
@@ -241,6 +213,55 @@ def launch(
         )
 
 
+def _check_job(
+    cfg: Config, np_: int, hosts: str | None, resume: bool, max_restarts: int, min_sites: int, last: Path
+) -> None:
+    """Refuse a job the arguments or the run folder make impossible, before anything starts."""
+    if np_ < 1:
+        raise ConfigError("--np: needs at least 1 rank")
+    if max_restarts < 0 or min_sites < 1:
+        raise ConfigError("--max-restarts must be >= 0 and --min-sites >= 1")
+    if cfg.dist.sync == "none":
+        raise ConfigError(
+            "dist.sync: 'none' trains in one process; pick bsp, gssp, ssp or local-sgd for --np"
+        )
+    if not resume and last.exists():
+        raise RunError(
+            f"{cfg.run_dir}: already holds a run; pass --resume to continue it, or name=<new name> to start another"
+        )
+    if cfg.sites and not hosts:
+        raise ConfigError(
+            f"sites: name the sites and their ranks in --hosts, e.g. --hosts {','.join(f'{s}:1' for s in cfg.sites)}"
+        )
+
+
+def _host_entries(cfg: Config, hosts: str | None, np_: int) -> list[_Entry]:
+    """Every ``--hosts`` entry as (label, host for horovodrun, slots); sites are named by the config."""
+    if not hosts:
+        return [("localhost", "localhost", np_)]
+    from medseg.distributed.site_data import horovodrun_hosts
+
+    parse_hosts(hosts, np_)
+    translated, labels = horovodrun_hosts(cfg, hosts)
+    return [
+        (label, item.rpartition(":")[0], int(item.rpartition(":")[2]))
+        for label, item in zip(labels, translated.split(","))
+    ]
+
+
+def _give_up(
+    outcome: _Attempt, config_path: Path, n: int, last: Path, restarts: int, max_restarts: int
+) -> NoReturn:
+    """Stop the job on a failed attempt that is not restarted: the rank's own error, or what failed."""
+    hint = f"continue with `medseg train --config {config_path} --np {n} --resume`"
+    if outcome.reported:
+        raise RunError(outcome.reported)
+    note = f"{_checkpoint_note(last)}; {hint}"
+    if max_restarts:
+        note = f"{restarts} of --max-restarts {max_restarts} used. " + note
+    raise RunError(f"{outcome.message}. {note}")
+
+
 def _attempt(
     cfg: Config,
     config_path: Path,
@@ -259,13 +280,7 @@ def _attempt(
     cmd += shlex.split(os.environ.get("MEDSEG_HOROVODRUN_ARGS", ""))
     cmd += worker_command(config_path, overrides, resume)
     beats = BeatServer(ranks_dir)
-    beat_host = os.environ.get("MEDSEG_BEAT_HOST") or ("127.0.0.1" if single_host else socket.getfqdn())
-    env = dict(os.environ, **{WORKER_ENV: "1", "PYTHONUNBUFFERED": "1"})
-    env[BEAT_ADDR_ENV] = f"{beat_host}:{beats.port}"
-    env["MEDSEG_BEAT_TIMEOUT_S"] = str(int(timeout) + 30)  # a rank cut off from the launcher stops after this
-    env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = "0"
-    env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(timeout) + 60))
-    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")  # N copies of library noise
+    env = _rank_env(beats.port, single_host, timeout)
     log.info("launching %d ranks: %s", np_, " ".join(cmd))
     proc = subprocess.Popen(
         cmd,
@@ -277,16 +292,52 @@ def _attempt(
         preexec_fn=_die_with_parent,
     )
     exits = ExitLog()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            exits.feed(line)
-
-    reader = threading.Thread(target=pump, daemon=True)
+    reader = threading.Thread(target=_pump, args=(proc, exits), daemon=True)
     reader.start()
     watchdog = Watchdog(np_, timeout)
+    hung, states = _watch(proc, beats, watchdog)
+    reader.join(timeout=5)
+    reported = next((st.error for _, st in sorted(states.items()) if st.error), "")
+    if hung is not None:
+        return _Attempt(
+            False,
+            f"{hung} (dist.timeout_s={timeout:g}); all ranks were stopped",
+            rank=watchdog.culprit,
+            reported=reported,
+        )
+    if proc.returncode == 0:
+        return _Attempt(True)
+    return _failed(proc.returncode, exits, states, reported)
+
+
+def _rank_env(beat_port: int, single_host: bool, timeout: float) -> dict[str, str]:
+    """horovodrun's environment, which its ranks inherit: how to reach the launcher, and timeouts."""
+    beat_host = os.environ.get("MEDSEG_BEAT_HOST") or ("127.0.0.1" if single_host else socket.getfqdn())
+    env = dict(os.environ, **{WORKER_ENV: "1", "PYTHONUNBUFFERED": "1"})
+    env[BEAT_ADDR_ENV] = f"{beat_host}:{beat_port}"
+    env["MEDSEG_BEAT_TIMEOUT_S"] = str(int(timeout) + 30)  # a rank cut off from the launcher stops after this
+    env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = "0"
+    env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(timeout) + 60))
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")  # N copies of library noise
+    return env
+
+
+def _pump(proc: subprocess.Popen, exits: ExitLog) -> None:
+    """Copy horovodrun's output to ours, line by line, noting the ranks' exits as they are reported."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        exits.feed(line)
+
+
+def _watch(
+    proc: subprocess.Popen, beats: BeatServer, watchdog: Watchdog
+) -> tuple[str | None, dict[int, RankState]]:
+    """Wait for horovodrun to end, stopping the job when the watchdog finds a rank hung.
+
+    Returns the watchdog's verdict (None when horovodrun ended by itself) and the ranks' last
+    states; the beat endpoint is closed either way.
+    """
     hung: str | None = None
     try:
         while True:
@@ -305,17 +356,11 @@ def _attempt(
     finally:
         states = beats.snapshot()
         beats.close()
-    reader.join(timeout=5)
-    reported = next((st.error for _, st in sorted(states.items()) if st.error), "")
-    if hung is not None:
-        return _Attempt(
-            False,
-            f"{hung} (dist.timeout_s={timeout:g}); all ranks were stopped",
-            rank=watchdog.culprit,
-            reported=reported,
-        )
-    if proc.returncode == 0:
-        return _Attempt(True)
+    return hung, states
+
+
+def _failed(returncode: int, exits: ExitLog, states: dict[int, RankState], reported: str) -> _Attempt:
+    """A horovodrun that ended with an error: blame the rank :meth:`ExitLog.culprit` names."""
     culprit = exits.culprit()
     if culprit is not None:
         rank, code = culprit
@@ -327,7 +372,7 @@ def _attempt(
         )
     return _Attempt(
         False,
-        f"horovodrun exited with status {proc.returncode}; the other ranks were stopped",
+        f"horovodrun exited with status {returncode}; the other ranks were stopped",
         reported=reported,
     )
 
@@ -378,7 +423,7 @@ def is_worker() -> bool:
 # monai.data.ultrasound_confidence_map) and pandas (monai.utils.profiling).
 UNUSED_IN_RANKS = ("ignite", "scipy.signal", "pandas")
 # Also never used by ranks other than 0, which alone plots the learning curve: matplotlib (from
-# monai.utils.jupyter_utils; about 0.45 s of CPU with the fonts and PIL parts it pulls in).
+# monai.utils.jupyter_utils, with the fonts and PIL parts it pulls in).
 UNUSED_IN_OTHER_RANKS = ("matplotlib",)
 
 
@@ -386,7 +431,7 @@ def skip_unused_imports() -> None:
     """Make the packages of :data:`UNUSED_IN_RANKS` (and, in ranks other than 0,
     :data:`UNUSED_IN_OTHER_RANKS`) unimportable in this process (a rank).
 
-    They cost about 1.7 s of the 6 s of CPU that ``import monai`` takes here, and a rank under a
+    They are a sizeable part of the CPU time ``import monai`` takes, and a rank under a
     quarter-core CPU quota (the slow site of ``medseg bench sites``) pays that four times over in
     wall time, at every launch. MONAI's ``optional_import`` treats an unimportable package as absent
     and leaves a placeholder that raises only if used. Called before anything imports MONAI, in
@@ -406,8 +451,8 @@ def end_rank() -> NoReturn:
 
     By then the session is closed (Horovod shut down, beats and channel closed) and every file the
     rank wrote is closed. What a normal interpreter exit would still do is tear down the modules of
-    PyTorch, MONAI and Horovod: measured here about 1.1 s of CPU (1.6 s wall at a full core), which a
-    rank of the slow site of ``medseg bench sites`` (a quarter-core quota) pays as about 4.5 s before
+    PyTorch, MONAI and Horovod: about a second of CPU, which a rank of the slow site of
+    ``medseg bench sites`` (a quarter-core quota) pays four times over in wall time before
     horovodrun sees the job end. Ranks only: the launcher and single-process commands exit normally.
     """
     logging.shutdown()

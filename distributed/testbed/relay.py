@@ -8,9 +8,8 @@ namespace routes every packet that a site sends to another site into the TUN dev
 destination site. A packet is dropped with probability ``--loss`` (a fraction, 0.001 = 0.1 %), or
 when more than ``--max-queue`` packets are in flight (a bounded buffer, like a real router's).
 
-Measured on this machine: 25 ms one-way gave 50.4 ms RTT; behind a 20 Mbit/s tbf, 19.0 Mbit/s of TCP
-goodput, for 3-5 % of one core. A Python relay moves some 10^4-10^5 packets per second, so it is
-meant for WAN rates (up to a few hundred Mbit/s), not for LAN speeds.
+A Python relay moves some 10^4-10^5 packets per second, so it is meant for WAN rates (up to a few
+hundred Mbit/s), not for LAN speeds.
 
 The process is bounded: it exits by itself after ``--max-seconds``, and cleanly (final counters
 written) on SIGTERM or SIGINT. Every ``--stats-every`` seconds it writes per-site-pair byte and
@@ -19,7 +18,7 @@ packet counters as JSON to ``--stats`` (written to a temporary name and renamed)
 the testbed's 198.18.<i>.0/24 plan.
 
 It imports only the standard library so that it also runs as a plain script
-(``python3 distributed/relay.py ...``) without the package installed; installed, it is
+(``python3 distributed/testbed/relay.py ...``) without the package installed; installed, it is
 ``python -m medseg.distributed.testbed.relay``.
 """
 
@@ -144,12 +143,60 @@ class Counters:
 
 
 def write_stats(path: str | None, counters: Counters) -> None:
+    """Write the counters as JSON to ``path`` (via a temporary name, so readers never see half a file)."""
     if not path:
         return
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(counters.as_dict(), f)
     os.replace(tmp, path)
+
+
+def _queue_arrivals(
+    fd_in: int,
+    queue: collections.deque[tuple[float, bytes]],
+    counters: Counters,
+    rng: random.Random,
+    loss: float,
+    max_queue: int,
+    due: float,
+) -> None:
+    """Read what waits on ``fd_in`` (at most ``_READ_BATCH`` packets): each is dropped with
+    probability ``loss``, or when ``max_queue`` packets are in flight, or else queued to leave at ``due``."""
+    for _ in range(_READ_BATCH):
+        try:
+            pkt = os.read(fd_in, 65536)
+        except BlockingIOError:
+            break
+        counters.read[0] += len(pkt)
+        counters.read[1] += 1
+        counters.inspect(pkt)
+        if loss > 0.0 and rng.random() < loss:
+            counters.dropped_loss[0] += len(pkt)
+            counters.dropped_loss[1] += 1
+        elif len(queue) >= max_queue:
+            counters.dropped_queue[0] += len(pkt)
+            counters.dropped_queue[1] += 1
+        else:
+            queue.append((due, pkt))
+
+
+def _send_due(
+    fd_out: int, queue: collections.deque[tuple[float, bytes]], counters: Counters, now: float
+) -> None:
+    """Write every queued packet whose time has come out of ``fd_out``, oldest first."""
+    while queue and queue[0][0] <= now:
+        pkt = queue.popleft()[1]
+        try:
+            os.write(fd_out, pkt)
+        except OSError as exc:  # the output link is down (a cut) or full: the packet is lost
+            log.debug("relay: write failed: %s", exc)
+            counters.dropped_queue[0] += len(pkt)
+            counters.dropped_queue[1] += 1
+            continue
+        counters.written[0] += len(pkt)
+        counters.written[1] += 1
+        counters.pair(pkt)
 
 
 def run(
@@ -200,36 +247,9 @@ def run(
                 wait = min(wait, queue[0][0] - now)
             readable, _, _ = select.select([fd_in], [], [], max(wait, 0.0))
             if readable:
-                arrived = time.monotonic()
-                for _ in range(_READ_BATCH):
-                    try:
-                        pkt = os.read(fd_in, 65536)
-                    except BlockingIOError:
-                        break
-                    counters.read[0] += len(pkt)
-                    counters.read[1] += 1
-                    counters.inspect(pkt)
-                    if loss > 0.0 and rng.random() < loss:
-                        counters.dropped_loss[0] += len(pkt)
-                        counters.dropped_loss[1] += 1
-                    elif len(queue) >= max_queue:
-                        counters.dropped_queue[0] += len(pkt)
-                        counters.dropped_queue[1] += 1
-                    else:
-                        queue.append((arrived + delay, pkt))
+                _queue_arrivals(fd_in, queue, counters, rng, loss, max_queue, time.monotonic() + delay)
             now = time.monotonic()
-            while queue and queue[0][0] <= now:
-                pkt = queue.popleft()[1]
-                try:
-                    os.write(fd_out, pkt)
-                except OSError as exc:  # the output link is down (a cut) or full: the packet is lost
-                    log.debug("relay: write failed: %s", exc)
-                    counters.dropped_queue[0] += len(pkt)
-                    counters.dropped_queue[1] += 1
-                    continue
-                counters.written[0] += len(pkt)
-                counters.written[1] += 1
-                counters.pair(pkt)
+            _send_due(fd_out, queue, counters, now)
             if stats and now >= next_stats:
                 write_stats(stats, counters)
                 next_stats = now + stats_every

@@ -158,14 +158,16 @@ def labels_like(
     return field.argmax(1, keepdim=True).float()
 
 
-def _malloc_trim() -> None:
+def malloc_trim() -> None:
+    """Return the C allocator's free memory to the OS (glibc); elsewhere nothing to do."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:  # not glibc: nothing to trim
         pass
 
 
-def _status_kb(field: str) -> int:
+def status_kb(field: str) -> int:
+    """A kB field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
@@ -189,7 +191,7 @@ class PhaseMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated()
-        return _status_kb("VmHWM") * 1024
+        return status_kb("VmHWM") * 1024
 
     def begin(self) -> None:
         gc.collect()
@@ -197,8 +199,8 @@ class PhaseMeter:
             torch.cuda.synchronize()
             self.start = torch.cuda.memory_allocated()
         else:
-            _malloc_trim()
-            self.start = _status_kb("VmRSS") * 1024
+            malloc_trim()
+            self.start = status_kb("VmRSS") * 1024
         self._reset()
 
     def mark(self, phase: str) -> None:
@@ -233,93 +235,37 @@ def measure(
     ``shape`` (a non-cubic patch) replaces ``patch``³; ``net_def`` replaces the default network.
     ``static_bytes`` is what lives beside the step and is counted, not measured: weights and AdamW's
     two moment buffers (``12`` bytes per parameter) and the input batch with its labels."""
-    from monai.losses import DiceCELoss
-
     shape = tuple(shape) if shape else (patch,) * 3
     model, forward = prepare(net, variant, patch, device, width, classes, net_def)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4)
-    if variant == "fused":
-        from medseg.kernels.loss import FusedDiceCELoss
-
-        loss_fn: Callable = FusedDiceCELoss()
-    else:
-        loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
+    loss_fn = _loss(variant)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 1, *shape, generator=gen).to(device)
     y = labels_like(batch, shape, classes, gen).to(device)
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    from medseg.kernels.head import deferred_head
-
     # fused: the network's last convolution is fused with the loss where it can be (kernels/head.py)
     head_fused = variant == "fused" and model.__dict__.get("_medseg_head_module") is not None
-
-    def net_forward(inp: torch.Tensor) -> torch.Tensor:
-        if not head_fused:
-            return forward(inp)
-        with deferred_head(model):
-            return forward(inp)
-
-    def step(meter: PhaseMeter | None = None) -> None:
-        mark = meter.mark if meter is not None else (lambda phase: None)
-        opt.zero_grad(set_to_none=True)
-        out = net_forward(x)
-        mark("forward")
-        loss = loss_fn(out, y)
-        del out
-        mark("loss")
-        loss.backward()
-        mark("backward")
-        opt.step()
-        mark("optimizer")
+    net_forward = _network_forward(model, forward, head_fused)
+    step = _training_step(net_forward, loss_fn, opt, x, y)
 
     for _ in range(2 if variant == "compile" else 1):  # warm-up: optimizer state, compilation
         step()
-    times: list[float] = []
-    cpu_times: list[float] = []  # process CPU seconds (all threads): what the step costs, load or not
-
-    def timed_step(meter: PhaseMeter | None = None) -> None:
-        sync()
-        t0, c0 = time.perf_counter(), time.process_time()
-        step(meter)
-        sync()
-        times.append(time.perf_counter() - t0)
-        cpu_times.append(time.process_time() - c0)
-
     meter = PhaseMeter(device)
     meter.begin()
-    timed_step(meter)  # phase marks cost a /proc read each; the median below comes from unmarked steps
+    _timed(step, device, meter)  # phase marks cost a /proc read each; the medians come from unmarked steps
     phases = dict(meter.peaks)
-    peak = max(phases.values())
-    times.clear()
-    cpu_times.clear()
-    for _ in range(steps):
-        timed_step()
+    times, cpu_times = zip(*(_timed(step, device) for _ in range(steps)))
     opt.zero_grad(set_to_none=True)
     net_saved, loss_saved = saved_bytes_split(net_forward, params, x, loss_fn, y)
     grads = sum(p.numel() * p.element_size() for p in params)
     # the loss's gradient w.r.t. the logits: full size, or one slab's with a fused head
     logits = 0 if head_fused else batch * classes * x[0, 0].numel() * x.element_size()
-    peak_phase = max(phases, key=phases.get)
-    breakdown = {
-        "peak_phase": peak_phase,
-        "saved": net_saved + loss_saved,
-        # what the loss needs while it runs beyond the maps kept for backward (its temporaries)
-        "loss_transient": max(phases["loss"] - net_saved - loss_saved, 0),
-        "param_grads": grads,
-        "logits_grad": logits,  # the loss's gradient w.r.t. the logits, alive at the start of backward
-        "workspace_and_allocator": max(peak - net_saved - loss_saved - grads - logits, 0),
-    }
     return {
         "saved_bytes": net_saved,
         "loss_saved_bytes": loss_saved,
-        "peak_bytes": peak,
+        "peak_bytes": max(phases.values()),
         "phase_peaks": phases,
-        "breakdown": breakdown,
+        "breakdown": peak_breakdown(phases, net_saved, loss_saved, grads, logits),
         "step_s": statistics.median(times),
         "step_cpu_s": statistics.median(cpu_times),
         "steps": steps,
@@ -331,6 +277,86 @@ def measure(
         "static_bytes": 12 * sum(p.numel() for p in params)
         + x.numel() * x.element_size()
         + y.numel() * y.element_size(),
+    }
+
+
+def _loss(variant: str) -> Callable:
+    """The fused Dice+CE loss for ``fused``; MONAI's ``DiceCELoss`` for the other variants."""
+    if variant == "fused":
+        from medseg.kernels.loss import FusedDiceCELoss
+
+        return FusedDiceCELoss()
+    from monai.losses import DiceCELoss
+
+    return DiceCELoss(to_onehot_y=True, softmax=True)
+
+
+def _network_forward(model: nn.Module, forward: Callable, head_fused: bool) -> Callable:
+    """``forward``, with the last convolution deferred to the loss when the head is fused."""
+    from medseg.kernels.head import deferred_head
+
+    if not head_fused:
+        return forward
+
+    def fused_forward(inp: torch.Tensor) -> torch.Tensor:
+        with deferred_head(model):
+            return forward(inp)
+
+    return fused_forward
+
+
+def _training_step(
+    forward: Callable, loss_fn: Callable, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> Callable[..., None]:
+    """One training step; with a :class:`PhaseMeter`, each phase's peak is marked as it ends."""
+
+    def step(meter: PhaseMeter | None = None) -> None:
+        mark = meter.mark if meter is not None else (lambda phase: None)
+        opt.zero_grad(set_to_none=True)
+        out = forward(x)
+        mark("forward")
+        loss = loss_fn(out, y)
+        del out
+        mark("loss")
+        loss.backward()
+        mark("backward")
+        opt.step()
+        mark("optimizer")
+
+    return step
+
+
+def _timed(
+    step: Callable[..., None], device: torch.device, meter: PhaseMeter | None = None
+) -> tuple[float, float]:
+    """Wall and process CPU seconds (all threads: what the step costs, load or not) of one step."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    sync()
+    t0, c0 = time.perf_counter(), time.process_time()
+    step(meter)
+    sync()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def peak_breakdown(phases: dict[str, int], net_saved: int, loss_saved: int, grads: int, logits: int) -> dict:
+    """The step's peak split into saved maps, the loss's transients, gradients and the remainder.
+
+    ``logits`` is the loss's gradient w.r.t. the logits, alive at the start of backward (0 with a
+    fused head); ``loss_transient`` what the loss needs while it runs beyond the maps kept for
+    backward; the remainder is convolution workspace and allocator slack.
+    """
+    peak = max(phases.values())
+    return {
+        "peak_phase": max(phases, key=phases.get),
+        "saved": net_saved + loss_saved,
+        "loss_transient": max(phases["loss"] - net_saved - loss_saved, 0),
+        "param_grads": grads,
+        "logits_grad": logits,
+        "workspace_and_allocator": max(peak - net_saved - loss_saved - grads - logits, 0),
     }
 
 

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from medseg.bench.measure import VARIANTS
-from medseg.bench.report import publish
+from medseg.bench.protocol import Benchmark, Target, at_most, figure, run_isolated, table_head, table_row
 
 log = logging.getLogger(__name__)
 
@@ -40,25 +37,15 @@ CASES: dict[str, tuple[str, int, float | None]] = {
 TARGET_TIME = 1.10  # fused step time / baseline step time
 
 
-def _run_variant(
+def run_variant(
     case: str, variant: str, patch: int, batch: int, steps: int, device: str, timeout_s: float, width: float
 ) -> dict[str, Any]:
+    """One (case, variant) measured by :mod:`medseg.bench.measure` in its own process."""
     net, classes, case_width = CASES[case]
     cmd = [sys.executable, "-m", "medseg.bench.measure", "--net", net, "--variant", variant]
     cmd += ["--patch", str(patch), "--batch", str(batch), "--steps", str(steps), "--device", device]
     cmd += ["--width", str(case_width or width), "--classes", str(classes)]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # see docs/design.md: honest CPU peaks
-    t0 = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"did not finish within {timeout_s:.0f} s"}
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"exit {proc.returncode}: {last[:200]}"}
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["wall_s"] = round(time.monotonic() - t0, 1)
-    return result
+    return run_isolated(cmd, timeout_s, error_chars=200)
 
 
 def largest_patch(peak_bytes: float, patch: int, budget_bytes: float, multiple: int = 16) -> int:
@@ -97,24 +84,38 @@ def bench_memory(
         out["nets"][net] = {}
         for variant in variants:
             log.info("bench memory: %s %s at %d^3", net, variant, patch)
-            r = _run_variant(net, variant, patch, batch, steps, device, timeout_s, width)
+            r = run_variant(net, variant, patch, batch, steps, device, timeout_s, width)
             out["nets"][net][variant] = r
             print(f"{net:10s} {variant:10s} {json.dumps(r)}", flush=True)
-        base = out["nets"][net].get("baseline", {})
-        if "peak_bytes" not in base:
-            continue
-        budget = budget_gb * 2**30
-        sizes: dict[str, Any] = {"budget_bytes": budget}
-        for variant, r in out["nets"][net].items():
-            if "peak_bytes" in r:
-                sizes[variant] = {"predicted": largest_patch(r["peak_bytes"], patch, budget)}
-                if verify and sizes[variant]["predicted"] > 0:
-                    p = sizes[variant]["predicted"]
-                    check = _run_variant(net, variant, p, batch, 1, device, timeout_s, width)
-                    sizes[variant]["measured_peak_bytes"] = check.get("peak_bytes")
-                    sizes[variant]["fits"] = check.get("peak_bytes", float("inf")) <= budget
-        out["patches"][net] = sizes
+        if "peak_bytes" in out["nets"][net].get("baseline", {}):
+            out["patches"][net] = _largest_patches(
+                net, out["nets"][net], budget_gb * 2**30, patch, batch, device, timeout_s, width, verify
+            )
     return out
+
+
+def _largest_patches(
+    net: str,
+    runs: dict[str, Any],
+    budget: float,
+    patch: int,
+    batch: int,
+    device: str,
+    timeout_s: float,
+    width: float,
+    verify: bool,
+) -> dict[str, Any]:
+    """Each measured variant's largest patch within ``budget`` bytes; with ``verify``, measured there."""
+    sizes: dict[str, Any] = {"budget_bytes": budget}
+    for variant, r in runs.items():
+        if "peak_bytes" in r:
+            sizes[variant] = {"predicted": largest_patch(r["peak_bytes"], patch, budget)}
+            if verify and sizes[variant]["predicted"] > 0:
+                p = sizes[variant]["predicted"]
+                check = run_variant(net, variant, p, batch, 1, device, timeout_s, width)
+                sizes[variant]["measured_peak_bytes"] = check.get("peak_bytes")
+                sizes[variant]["fits"] = check.get("peak_bytes", float("inf")) <= budget
+    return sizes
 
 
 def ratios(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
@@ -137,56 +138,54 @@ def ratios(result: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
     return table
 
 
-def check_targets(result: dict[str, Any]) -> list[tuple[str, bool]]:
+def check_targets(result: dict[str, Any]) -> list[Target]:
     """Peak and time targets per case, and fused against checkpointing on both time and peak."""
     checks = []
     for net, r in ratios(result).items():
         if "fused" not in r:
             continue
         f = r["fused"]
-        target = (
-            TARGET_PEAK_MANY if result.get("cases", {}).get(net, {}).get("classes", 3) > 3 else TARGET_PEAK
+        classes = result.get("cases", {}).get(net, {}).get("classes", 3)
+        target = TARGET_PEAK_MANY if classes > 3 else TARGET_PEAK
+        checks.append(
+            at_most(f"{net}: fused peak {f['peak']:.2f}x baseline (target <= {target})", f["peak"], target)
         )
         checks.append(
-            (f"{net}: fused peak {f['peak']:.2f}x baseline (target <= {target})", f["peak"] <= target)
-        )
-        checks.append(
-            (
+            at_most(
                 f"{net}: fused step time {f['time']:.2f}x baseline (target <= {TARGET_TIME})",
-                f["time"] <= TARGET_TIME,
+                f["time"],
+                TARGET_TIME,
             )
         )
         if "checkpoint" in r:
-            c = r["checkpoint"]
-            faster, lower = f["time"] < c["time"], f["peak"] <= c["peak"]
-            verdict = (
-                "fused faster at a peak no higher"
-                if faster and lower
-                else "fused loses on "
-                + " and ".join(w for w, ok in (("time", faster), ("peak", lower)) if not ok)
-            )
-            checks.append(
-                (
-                    f"{net}: fused {f['time']:.2f}x vs checkpoint {c['time']:.2f}x time, "
-                    f"peak {f['peak']:.2f}x vs {c['peak']:.2f}x: {verdict}",
-                    faster and lower,
-                )
-            )
+            checks.append(_fused_against_checkpoint(net, f, r["checkpoint"]))
     return checks
+
+
+def _fused_against_checkpoint(net: str, f: dict[str, float], c: dict[str, float]) -> Target:
+    """Met when fused is faster than checkpointing at a peak no higher; the name says where it loses."""
+    faster, lower = f["time"] < c["time"], f["peak"] <= c["peak"]
+    verdict = (
+        "fused faster at a peak no higher"
+        if faster and lower
+        else "fused loses on " + " and ".join(w for w, ok in (("time", faster), ("peak", lower)) if not ok)
+    )
+    return Target(
+        f"{net}: fused {f['time']:.2f}x vs checkpoint {c['time']:.2f}x time, "
+        f"peak {f['peak']:.2f}x vs {c['peak']:.2f}x: {verdict}",
+        faster and lower,
+    )
 
 
 def format_table(result: dict[str, Any]) -> str:
     mb = 2**20
-    rows = [
-        "| case | variant | net saved MiB | loss saved MiB | peak MiB | peak ratio | step s | time ratio "
-        "| largest patch |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    columns = ["case", "variant", "net saved MiB", "loss saved MiB", "peak MiB", "peak ratio", "step s"]
+    rows = table_head([*columns, "time ratio", "largest patch"], "llrrrrrrr")
     table = ratios(result)
     for net, variants in result["nets"].items():
         for v, r in variants.items():
             if "error" in r:
-                rows.append(f"| {net} | {v} | — | — | — | — | — | — | {r['error']} |")
+                rows.append(table_row(net, v, *["—"] * 6, r["error"]))
                 continue
             q = table.get(net, {}).get(v, {})
             size = result["patches"].get(net, {}).get(v, {})
@@ -194,9 +193,17 @@ def format_table(result: dict[str, Any]) -> str:
             if "fits" in size:
                 largest += " (measured: fits)" if size["fits"] else " (measured: over budget)"
             rows.append(
-                f"| {net} | {v} | {r['saved_bytes'] / mb:.0f} | {r.get('loss_saved_bytes', 0) / mb:.0f} | "
-                f"{r['peak_bytes'] / mb:.0f} | {q.get('peak', float('nan')):.2f} | {r['step_s']:.2f} | "
-                f"{q.get('time', float('nan')):.2f} | {largest} |"
+                table_row(
+                    net,
+                    v,
+                    f"{r['saved_bytes'] / mb:.0f}",
+                    f"{r.get('loss_saved_bytes', 0) / mb:.0f}",
+                    f"{r['peak_bytes'] / mb:.0f}",
+                    f"{q.get('peak', float('nan')):.2f}",
+                    f"{r['step_s']:.2f}",
+                    f"{q.get('time', float('nan')):.2f}",
+                    largest,
+                )
             )
     return "\n".join(rows) + "\n\n" + format_breakdown(result)
 
@@ -204,15 +211,14 @@ def format_table(result: dict[str, Any]) -> str:
 def format_breakdown(result: dict[str, Any]) -> str:
     """Where each peak goes: phase peaks, and the peak split into saved maps and the rest."""
     mb = 2**20
+    columns = ["case", "variant", "fwd / loss / bwd / opt", "peak in", "saved", "loss transient"]
     rows = [
         "Peak breakdown (MiB). Phase peaks: forward / loss / backward / optimizer, each above the step's "
         "start. The peak is split into maps saved for backward (network + loss), the loss's transient "
         "maps (its phase peak beyond what is saved), parameter gradients (exact), the logits' "
         "gradient (0 where the last convolution is fused with the loss: one slab's at a time), and the remainder: convolution workspace and allocator slack.",
         "",
-        "| case | variant | fwd / loss / bwd / opt | peak in | saved | loss transient | param grads "
-        "| logits grad | workspace + allocator |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        *table_head([*columns, "param grads", "logits grad", "workspace + allocator"], "llllrrrrr"),
     ]
     for net, variants in result["nets"].items():
         for v, r in variants.items():
@@ -220,44 +226,34 @@ def format_breakdown(result: dict[str, Any]) -> str:
             if not b or not ph:
                 continue
             phases = " / ".join(f"{ph[k] / mb:.0f}" for k in ("forward", "loss", "backward", "optimizer"))
-            rows.append(
-                f"| {net} | {v} | {phases} | {b['peak_phase']} | {b['saved'] / mb:.0f} | "
-                f"{b['loss_transient'] / mb:.0f} | {b['param_grads'] / mb:.0f} | {b['logits_grad'] / mb:.0f} | "
-                f"{b['workspace_and_allocator'] / mb:.0f} |"
-            )
+            sizes = ("saved", "loss_transient", "param_grads", "logits_grad", "workspace_and_allocator")
+            rows.append(table_row(net, v, phases, b["peak_phase"], *(f"{b[k] / mb:.0f}" for k in sizes)))
     return "\n".join(rows)
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Peak memory and step time of each variant over its net's baseline, with the targets."""
     table = ratios(result)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, key, title in (
-        (axes[0], "peak", "peak memory / baseline"),
-        (axes[1], "time", "step time / baseline"),
-    ):
-        nets = list(table)
-        variants = [v for v in VARIANTS if any(v in table[n] for n in nets)]
-        width = 0.8 / max(len(variants), 1)
-        for i, v in enumerate(variants):
-            xs = [j + i * width for j, n in enumerate(nets) if v in table[n]]
-            ys = [table[n][v][key] for n in nets if v in table[n]]
-            ax.bar(xs, ys, width, label=v)
-        ax.axhline(TARGET_PEAK if key == "peak" else TARGET_TIME, color="k", ls="--", lw=0.8)
-        ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(nets))], nets)
-        ax.set_title(title)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, (10, 3.6), ncols=2, save_dpi=110) as (fig, axes):
+        for ax, key, title in (
+            (axes[0], "peak", "peak memory / baseline"),
+            (axes[1], "time", "step time / baseline"),
+        ):
+            nets = list(table)
+            variants = [v for v in VARIANTS if any(v in table[n] for n in nets)]
+            width = 0.8 / max(len(variants), 1)
+            for i, v in enumerate(variants):
+                xs = [j + i * width for j, n in enumerate(nets) if v in table[n]]
+                ys = [table[n][v][key] for n in nets if v in table[n]]
+                ax.bar(xs, ys, width, label=v)
+            ax.axhline(TARGET_PEAK if key == "peak" else TARGET_TIME, color="k", ls="--", lw=0.8)
+            ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(nets))], nets)
+            ax.set_title(title)
+        axes[0].legend(fontsize=8)
 
 
-def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None) -> None:
-    intro = (
+def intro(result: dict[str, Any]) -> str:
+    return (
         f"## Memory: `medseg bench memory{' --quick' if result['quick'] else ''}`\n\n"
         f"Patch {result['patch']}³, channel width {result['width']}x medseg's defaults (unet-14cls: UNet at "
         f"1.0x with 14 classes), batch {result['batch']}, "
@@ -269,4 +265,7 @@ def write_report(result: dict[str, Any], json_out: Path, markdown: Path | None) 
         f"baseline in the same run. Largest patch: the largest multiple of 16 predicted to fit within "
         f"{result['budget_gb']} GiB from the measured peak per voxel."
     )
-    publish(result, json_out, markdown, "memory", plot, check_targets(result), intro, format_table(result))
+
+
+BENCHMARK = Benchmark("memory", intro=intro, targets=check_targets, table=format_table, plot=plot)
+write_report = BENCHMARK.write_report

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
 def write_json(path: Path, data: Any) -> None:
+    """``data`` as indented JSON, written atomically (a temporary file renamed over ``path``)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
@@ -33,22 +33,3 @@ def replace_section(markdown: Path, tag: str, body: str) -> None:
     tmp.write_text(text)
     os.replace(tmp, markdown)
 
-
-def publish(
-    result: dict[str, Any],
-    json_out: Path,
-    markdown: Path | None,
-    tag: str,
-    plot: Callable[[dict[str, Any], Path], None],
-    checks: list[tuple[str, bool]],
-    intro: str,
-    table: str,
-) -> None:
-    """Write ``result`` as JSON and, with ``markdown``, the ``bench:tag`` section and bench-TAG.png."""
-    write_json(json_out, result)
-    if markdown is None:
-        return
-    png = markdown.parent / f"bench-{tag}.png"
-    plot(result, png)
-    lines = "\n".join(f"- {'met' if ok else 'MISSED'}: {name}" for name, ok in checks)
-    replace_section(markdown, tag, f"{intro}\n\n{table}\n\n{lines}\n\n![{tag} results]({png.name})")

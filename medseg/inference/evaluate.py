@@ -20,11 +20,12 @@ from monai.metrics import DiceMetric, HausdorffDistanceMetric
 from monai.networks.utils import one_hot
 from tqdm import tqdm
 
-from medseg.bundle.export import Bundle, load_bundle, site_names, use_site
+from medseg.bundle.load import Bundle, load_bundle, site_names, use_site
 from medseg.datasets import checks
 from medseg.datasets.decathlon import load_dataset, split_train_val
 from medseg.errors import DataError
-from medseg.inference.predict import load_image, predict
+from medseg.inference.io import load_image
+from medseg.inference.predict import predict
 from medseg.training.tasks import classification_metrics
 
 

@@ -1,10 +1,12 @@
-"""The streaming path for big NIfTI inputs: the input is read slab by slab and never held whole.
+"""Reading inputs: NIfTI files and DICOM series loaded whole, or big NIfTI files opened for streaming.
 
-Above a size threshold (:data:`STREAM_VOXELS` input voxels; ``medseg infer --stream-above``, or the
-``MEDSEG_STREAM_VOXELS`` environment variable), :func:`medseg.inference.predict.load_image` returns a
-:class:`LazyVolume` instead of a loaded MetaTensor: the NIfTI header and nibabel's array proxy,
-nothing else. :func:`medseg.inference.memory.segment` then builds the model input from it with
-:func:`resample_streamed` and runs the unchanged slabbed sliding window and streamed inversion.
+:func:`load_image` reads a NIfTI file or a DICOM series folder into a channel-first MetaTensor in its
+own geometry. Above a size threshold (:data:`STREAM_VOXELS` input voxels; ``medseg infer
+--stream-above``, or the ``MEDSEG_STREAM_VOXELS`` environment variable) a 3D NIfTI file is not
+loaded: :func:`load_image` returns a :class:`LazyVolume`, the NIfTI header and nibabel's array
+proxy, nothing else. :func:`medseg.inference.segment.model_input` then builds the model input from
+it with :func:`resample_streamed` (the input is read slab by slab and never held whole); the
+sliding window and the inversion are those of a loaded input.
 
 What is held, and what is not
 -----------------------------
@@ -53,11 +55,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from monai.data import MetaTensor
 
+from medseg.datasets import checks
 from medseg.errors import DataError
-from medseg.inference.resample import _axis_weights, _lerp_axis, as_axis_map
+from medseg.inference.resample import as_axis_map, axis_weights, lerp_axis
+from medseg.training import transforms as tf
 
 log = logging.getLogger(__name__)
+NIFTI_SUFFIXES = checks.NIFTI_SUFFIXES
 
 #: Inputs with more voxels than this are streamed by ``medseg infer`` (128 Mi voxels: 512 x 512 x 512,
 #: 512 MiB as float32). ``MEDSEG_STREAM_VOXELS`` overrides it; ``medseg infer --stream-above`` too.
@@ -127,8 +133,6 @@ class LazyVolume:
 
     def load(self) -> Any:
         """The whole volume as a loaded MetaTensor (the fallback for maps that mix axes)."""
-        from medseg.inference.predict import load_image
-
         return load_image(self.path)
 
 
@@ -159,6 +163,50 @@ class SlabReader:
         return self.buf
 
 
+def load_image(
+    source: str | Path,
+    series_uid: str | None = None,
+    resample: bool = False,
+    stream_above: int | None = None,
+) -> MetaTensor | LazyVolume:
+    """Read a NIfTI file, a DICOM series folder or one DICOM file (e.g. an Enhanced multi-frame image)
+    as a (C, I, J, K) MetaTensor with its RAS affine.
+
+    With ``stream_above`` set, a 3D NIfTI file of more voxels than that is not read: a
+    :class:`LazyVolume` (header and array proxy) is returned, which ``predict``
+    reads slab by slab (the streaming path; same labels, see the module docstring).
+    """
+    from medseg.datasets.dicom.header import is_dicom_file
+
+    source = checks.check_input_path(
+        source, "input", hint="give a NIfTI file (.nii, .nii.gz), a DICOM series folder or a DICOM file"
+    )
+    dicom_file = is_dicom_file(source)
+    if source.is_file() and not source.name.endswith(NIFTI_SUFFIXES) and not dicom_file:
+        raise DataError(
+            f"{source}: not a NIfTI file (.nii, .nii.gz) and not a DICOM file; give one of those, or the "
+            "folder that holds a DICOM series"
+        )
+    if source.is_file() and not dicom_file:
+        # header checks (size against memory, qform/sform policy) before a single voxel is decompressed
+        img, _ = checks.open_nifti(source, memory=stream_above is None)
+        if stream_above is not None:
+            if len(img.shape) == 3 and int(np.prod(img.shape)) > stream_above:
+                log.info(
+                    "%s: %d voxels, above %d: streaming the input", source, np.prod(img.shape), stream_above
+                )
+                return LazyVolume.open(source)
+            checks.open_nifti(source)  # loading it whole after all: the memory check applies
+    image = tf.apply(tf.loader(["image"], series_uid=series_uid, resample=resample), {"image": str(source)})[
+        "image"
+    ]
+    if image.ndim != 4:
+        raise DataError(f"{source}: expected a 3D volume, got an image of shape {tuple(image.shape[1:])}")
+    if not torch.isfinite(image).all():
+        raise DataError(f"{source}: the image holds NaN or infinite values; fix or exclude it")
+    return image
+
+
 @torch.no_grad()
 def resample_streamed(
     volume: LazyVolume, m: np.ndarray, out_shape: tuple[int, int, int], budget: int | None = None
@@ -176,7 +224,7 @@ def resample_streamed(
     in_sizes = volume.spatial
     # model axis a reads input axis perm[a]; q-axis sizes are the input sizes in model order
     axes = [
-        _axis_weights(n, in_sizes[perm[a]], amap.scale[a], amap.offset[a], torch.float64)
+        axis_weights(n, in_sizes[perm[a]], amap.scale[a], amap.offset[a], torch.float64)
         for a, n in enumerate(out_shape)
     ]
     b = perm.index(2)  # the model axis that reads the file's slowest axis
@@ -199,9 +247,9 @@ def resample_streamed(
         slab = reader(k0, k1)
         q = slab.permute(0, *(1 + p for p in perm))
         local = [axes[a] if a != b else (lo - k0, hi - k0, w_b[s:e]) for a in range(3)]
-        block = _lerp_axis(q, 1, *local[0], torch.float64)
-        block = _lerp_axis(block, 2, *local[1])
-        block = _lerp_axis(block, 3, *local[2])
+        block = lerp_axis(q, 1, *local[0], torch.float64)
+        block = lerp_axis(block, 2, *local[1])
+        block = lerp_axis(block, 3, *local[2])
         idx = [slice(None)] * 4
         idx[1 + b] = slice(s, e)
         out[tuple(idx)] = block

@@ -1,12 +1,11 @@
 """Inference: the one function the CLI, the evaluation and the viewer call.
 
-``load_image`` reads a NIfTI file or a DICOM series folder into a channel-first MetaTensor in its
-own geometry. ``predict`` runs a bundle on it: preprocess (orient RAS, resample, window),
-sliding-window inference with Gaussian blending, softmax, then the class probabilities are mapped
-back through the preprocessing onto the input's grid and argmax-ed there, slab by slab, so memory does
-not grow with the number of classes (:mod:`medseg.inference.memory`, :mod:`medseg.inference.resample`). The label
-map has the input's shape and affine. The peak memory is predicted first; an input that cannot fit
-raises DataError.
+``predict`` runs a bundle on an image from :func:`medseg.inference.io.load_image`: preprocess (orient
+RAS, resample, window), sliding-window inference with Gaussian blending, softmax, then the class
+probabilities are mapped back through the preprocessing onto the input's grid and argmax-ed there,
+slab by slab, so memory does not grow with the number of classes (:mod:`medseg.inference.segment`,
+:mod:`medseg.inference.resample`). The label map has the input's shape and affine. The peak memory
+is predicted first (:mod:`medseg.inference.memory`); an input that cannot fit raises DataError.
 
 A NIfTI file above the streaming threshold (``load_image(..., stream_above=N)``, which ``medseg infer``
 sets) is not loaded: ``predict`` reads it slab by slab into the model grid and gives the same labels
@@ -26,66 +25,22 @@ import numpy as np
 import torch
 from monai.data import MetaTensor
 
-from medseg.bundle.export import Bundle, load_bundle
+from medseg.bundle.load import Bundle, load_bundle
 from medseg.datasets import checks
 from medseg.datasets.nifti import save_nifti
 from medseg.errors import DataError
-from medseg.inference.io import LazyVolume, stream_threshold
-from medseg.inference.memory import check_fits, estimate, segment
+from medseg.inference.io import NIFTI_SUFFIXES, LazyVolume, load_image, stream_threshold
+from medseg.inference.memory import check_fits, estimate
+from medseg.inference.segment import segment
 from medseg.training import transforms as tf
 
 log = logging.getLogger(__name__)
-NIFTI_SUFFIXES = checks.NIFTI_SUFFIXES
 
 
 @dataclass
 class Prediction:
     label: MetaTensor | None  # (1, I, J, K) uint8 on the input's grid, segmentation only
     probabilities: dict[str, float] | None  # class name -> probability, classification only
-
-
-def load_image(
-    source: str | Path,
-    series_uid: str | None = None,
-    resample: bool = False,
-    stream_above: int | None = None,
-) -> MetaTensor | LazyVolume:
-    """Read a NIfTI file, a DICOM series folder or one DICOM file (e.g. an Enhanced multi-frame image)
-    as a (C, I, J, K) MetaTensor with its RAS affine.
-
-    With ``stream_above`` set, a 3D NIfTI file of more voxels than that is not read: a
-    :class:`medseg.inference.io.LazyVolume` (header and array proxy) is returned, which ``predict``
-    reads slab by slab (the streaming path; same labels, see :mod:`medseg.inference.io`).
-    """
-    from medseg.datasets.dicom.reader import is_dicom_file
-
-    source = checks.check_input_path(
-        source, "input", hint="give a NIfTI file (.nii, .nii.gz), a DICOM series folder or a DICOM file"
-    )
-    dicom_file = is_dicom_file(source)
-    if source.is_file() and not source.name.endswith(NIFTI_SUFFIXES) and not dicom_file:
-        raise DataError(
-            f"{source}: not a NIfTI file (.nii, .nii.gz) and not a DICOM file; give one of those, or the "
-            "folder that holds a DICOM series"
-        )
-    if source.is_file() and not dicom_file:
-        # header checks (size against memory, qform/sform policy) before a single voxel is decompressed
-        img, _ = checks.open_nifti(source, memory=stream_above is None)
-        if stream_above is not None:
-            if len(img.shape) == 3 and int(np.prod(img.shape)) > stream_above:
-                log.info(
-                    "%s: %d voxels, above %d: streaming the input", source, np.prod(img.shape), stream_above
-                )
-                return LazyVolume.open(source)
-            checks.open_nifti(source)  # loading it whole after all: the memory check applies
-    image = tf.apply(tf.loader(["image"], series_uid=series_uid, resample=resample), {"image": str(source)})[
-        "image"
-    ]
-    if image.ndim != 4:
-        raise DataError(f"{source}: expected a 3D volume, got an image of shape {tuple(image.shape[1:])}")
-    if not torch.isfinite(image).all():
-        raise DataError(f"{source}: the image holds NaN or infinite values; fix or exclude it")
-    return image
 
 
 def _check_input(bundle: Bundle, image: MetaTensor) -> None:
@@ -107,7 +62,8 @@ def predict(
     device: str | torch.device | None = None,
     progress: Callable[[float], None] | None = None,
 ) -> Prediction:
-    """Run ``bundle`` on a loaded image, or a streamed one (:func:`load_image` with ``stream_above``);
+    """Run ``bundle`` on a loaded image, or a streamed one (:func:`medseg.inference.io.load_image` with
+    ``stream_above``);
     see the module docstring for the steps."""
     _check_input(bundle, image)
     cfg = bundle.config

@@ -1,7 +1,7 @@
 """Class-count-independent inversion of a segmentation onto the input grid, in slabs.
 
-What ``predict`` used to do, and what it must still give
---------------------------------------------------------
+The reference: ``Invertd``, then argmax
+---------------------------------------
 Preprocessing is ``Orientationd(RAS)`` then ``Spacingd(bilinear, padding border)``. ``Invertd``
 undoes it on the class probabilities ``p_c`` (C maps on the model grid): it resamples them with
 trilinear interpolation onto the (oriented) input grid, flips/permutes back, and the label is
@@ -90,7 +90,7 @@ def as_axis_map(m: np.ndarray, tol: float = 1e-6) -> AxisMap | None:
     )
 
 
-def _axis_weights(
+def axis_weights(
     n_out: int, n_src: int, scale: float, offset: float, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, ...]:
     """Lower/upper source index and weight of the upper one for each of ``n_out`` output indices.
@@ -106,7 +106,7 @@ def _axis_weights(
     return lo_i, hi_i, w
 
 
-def _lerp_axis(
+def lerp_axis(
     x: torch.Tensor,
     dim: int,
     lo: torch.Tensor,
@@ -167,7 +167,7 @@ def invert_argmax(
         # Put the model axes in input-axis order (a view), then interpolate axis by axis.
         q = probs.permute(0, *(1 + p for p in amap.perm))
         axes = [
-            _axis_weights(n, q.shape[1 + a], amap.scale[a], amap.offset[a]) for a, n in enumerate(out_shape)
+            axis_weights(n, q.shape[1 + a], amap.scale[a], amap.offset[a]) for a, n in enumerate(out_shape)
         ]
     for start in range(0, n_i, slab):
         stop = min(n_i, start + slab)
@@ -177,9 +177,9 @@ def invert_argmax(
             # Every gather is along dim 1 of a contiguous array (whole rows copied, index_select's fast
             # case); the axes are rotated between steps and the labels rotated back at the end.
             lo, hi, w = (t[start:stop] for t in axes[0])
-            block = _lerp_axis(q, 1, lo, hi, w)  # (C, s, Y, Z)
-            block = _lerp_axis(block.permute(0, 2, 1, 3).contiguous(), 1, *axes[1])  # (C, J, s, Z)
-            block = _lerp_axis(block.permute(0, 3, 1, 2).contiguous(), 1, *axes[2])  # (C, K, J, s)
+            block = lerp_axis(q, 1, lo, hi, w)  # (C, s, Y, Z)
+            block = lerp_axis(block.permute(0, 2, 1, 3).contiguous(), 1, *axes[1])  # (C, J, s, Z)
+            block = lerp_axis(block.permute(0, 3, 1, 2).contiguous(), 1, *axes[2])  # (C, K, J, s)
             out[start:stop] = argmax_first(block).permute(2, 1, 0)
             del block
         if progress:
@@ -216,7 +216,7 @@ class StreamInverter:
         self.a0, self.a1, self.a2 = (amap.perm.index(k) for k in range(3))
         self.out_shape = tuple(int(n) for n in out_shape)
         self.axes = [
-            _axis_weights(self.out_shape[a], int(model_shape[amap.perm[a]]), amap.scale[a], amap.offset[a])
+            axis_weights(self.out_shape[a], int(model_shape[amap.perm[a]]), amap.scale[a], amap.offset[a])
             for a in range(3)
         ]
         lo0, hi0, _ = self.axes[self.a0]
@@ -264,9 +264,9 @@ class StreamInverter:
             take = self.order[self.done : min(ready, self.done + slab)]
             i0 = int(take.min())
             idx = torch.arange(i0, i0 + len(take))
-            block = _lerp_axis(src, 1, lo0[idx] - first, hi0[idx] - first, w0[idx])  # (C, s, Y, Z)
-            block = _lerp_axis(block.permute(0, 2, 1, 3).contiguous(), 1, *self.axes[self.a1])
-            block = _lerp_axis(block.permute(0, 3, 1, 2).contiguous(), 1, *self.axes[self.a2])
+            block = lerp_axis(src, 1, lo0[idx] - first, hi0[idx] - first, w0[idx])  # (C, s, Y, Z)
+            block = lerp_axis(block.permute(0, 2, 1, 3).contiguous(), 1, *self.axes[self.a1])
+            block = lerp_axis(block.permute(0, 3, 1, 2).contiguous(), 1, *self.axes[self.a2])
             self.out.narrow(self.a0, i0, len(take)).copy_(argmax_first(block).permute(*self.back))
             del block
             self.done += len(take)
@@ -292,7 +292,7 @@ def resample_to_model(
         raise ValueError("resample_to_model needs an axis-aligned map")
     q = image.permute(0, *(1 + p for p in amap.perm))
     axes = [
-        _axis_weights(n, q.shape[1 + a], amap.scale[a], amap.offset[a], torch.float64)
+        axis_weights(n, q.shape[1 + a], amap.scale[a], amap.offset[a], torch.float64)
         for a, n in enumerate(out_shape)
     ]
     c, (n_x, n_y, n_z) = image.shape[0], out_shape
@@ -302,9 +302,9 @@ def resample_to_model(
     for start in range(0, n_x, slab):
         stop = min(n_x, start + slab)
         lo, hi, w = (t[start:stop] for t in axes[0])
-        block = _lerp_axis(q, 1, lo, hi, w, torch.float64)
-        block = _lerp_axis(block, 2, *axes[1])
-        block = _lerp_axis(block, 3, *axes[2])
+        block = lerp_axis(q, 1, lo, hi, w, torch.float64)
+        block = lerp_axis(block, 2, *axes[1])
+        block = lerp_axis(block, 3, *axes[2])
         out[:, start:stop] = block
     return out
 

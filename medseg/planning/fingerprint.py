@@ -86,6 +86,29 @@ def _objects(label: np.ndarray, spacing: list[float], classes: list[int]) -> dic
     return out
 
 
+def _image_object(arr: np.ndarray, spacing: list[float]) -> tuple[np.ndarray, list[float] | None]:
+    """The voxels of a classification image's object (:class:`medseg.training.transforms.ObjectMask`)
+    and its bounding-box extent in mm along R, A, S (None when the mask is empty)."""
+    from medseg.training import transforms as tf
+
+    mask = np.asarray(tf.ObjectMask()(arr[None]))[0]
+    idx = np.argwhere(mask)
+    if not idx.size:
+        return arr[mask], None
+    return arr[mask], [(hi - lo + 1) * sp for lo, hi, sp in zip(idx.min(0), idx.max(0), spacing)]
+
+
+def _object_summaries(objects: dict[int, list[dict]]) -> dict[str, dict[str, Any]]:
+    """Per class: the summaries of its objects' volumes and of their extents along R, A, S."""
+    return {
+        str(c): {
+            "volume_mm3": _summary([o["volume_mm3"] for o in objs]),
+            "extent_mm": [_summary([o["extent_mm"][r] for o in objs]) for r in range(3)],
+        }
+        for c, objs in objects.items()
+    }
+
+
 def _summary(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
@@ -97,6 +120,21 @@ def _summary(values: list[float]) -> dict[str, float] | None:
         "p95": float(np.percentile(v, 95)),
         "max": float(v.max()),
         "count": int(v.size),
+    }
+
+
+def _intensity(samples: list[np.ndarray]) -> dict[str, float] | None:
+    """Percentiles (0.5, 50, 99.5), mean and standard deviation of the pooled foreground samples."""
+    pooled = np.concatenate(samples) if samples else np.zeros(0)
+    if not pooled.size:
+        return None
+    return {
+        "p0_5": float(np.percentile(pooled, 0.5)),
+        "median": float(np.median(pooled)),
+        "p99_5": float(np.percentile(pooled, 99.5)),
+        "mean": float(pooled.mean()),
+        "std": float(pooled.std()),
+        "samples": int(pooled.size),
     }
 
 
@@ -130,11 +168,8 @@ def compute_fingerprint(info: DatasetInfo, progress: bool = True) -> dict[str, A
             for c, objs in _objects(label, spacing, classes).items():
                 objects[c] += objs
         else:
-            mask = np.asarray(tf.ObjectMask()(arr[None]))[0]
-            fg = arr[mask]
-            idx = np.argwhere(mask)
-            if idx.size:
-                box = [(hi - lo + 1) * sp for lo, hi, sp in zip(idx.min(0), idx.max(0), spacing)]
+            fg, box = _image_object(arr, spacing)
+            if box is not None:
                 object_boxes.append(box)
                 case["object_extent_mm"] = box
             counts[int(item["label"])] += 1
@@ -142,17 +177,7 @@ def compute_fingerprint(info: DatasetInfo, progress: bool = True) -> dict[str, A
             take = rs.choice(fg.size, size=min(SAMPLES_PER_CASE, fg.size), replace=False)
             samples.append(fg[take].astype(np.float64))
         cases.append(case)
-    pooled = np.concatenate(samples) if samples else np.zeros(0)
-    intensity = None
-    if pooled.size:
-        intensity = {
-            "p0_5": float(np.percentile(pooled, 0.5)),
-            "median": float(np.median(pooled)),
-            "p99_5": float(np.percentile(pooled, 99.5)),
-            "mean": float(pooled.mean()),
-            "std": float(pooled.std()),
-            "samples": int(pooled.size),
-        }
+    intensity = _intensity(samples)
     spacings = np.asarray([c["spacing"] for c in cases])
     shapes = np.asarray([c["shape"] for c in cases])
     total = max(int(counts.sum()), 1)
@@ -174,13 +199,7 @@ def compute_fingerprint(info: DatasetInfo, progress: bool = True) -> dict[str, A
         "cases": cases,
     }
     if seg:
-        fp["objects"] = {
-            str(c): {
-                "volume_mm3": _summary([o["volume_mm3"] for o in objs]),
-                "extent_mm": [_summary([o["extent_mm"][r] for o in objs]) for r in range(3)],
-            }
-            for c, objs in objects.items()
-        }
+        fp["objects"] = _object_summaries(objects)
     else:
         fp["object_extent_mm"] = [_summary([b[r] for b in object_boxes]) for r in range(3)]
     return fp

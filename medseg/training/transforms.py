@@ -101,7 +101,7 @@ class NonZero:
 def body(cfg: Config) -> Above | NonZero:
     """Which normalised voxels are "the body" for ``transforms.crop_foreground``.
 
-    window: above 0, i.e. above the window's low end (MONAI's default, unchanged); ct: above the
+    window: above 0, i.e. above the window's low end (MONAI's default threshold); ct: above the
     clip's low end; zscore: non-zero voxels.
     """
     scheme = cfg.transforms.normalize.scheme
@@ -198,7 +198,8 @@ def seg_train(cfg: Config) -> mt.Compose:
             neg=t.neg,
             num_samples=t.num_samples,
             image_key="image",
-            # background patches are centred inside the body only (window: above 0, as before)
+            # background patches are centred inside the body only (window: above 0); a non-zero body (zscore)
+            # has no threshold here, so any voxel may centre one
             image_threshold=body(cfg).threshold if isinstance(body(cfg), Above) else -1e30,
         ),
     ]

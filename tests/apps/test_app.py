@@ -24,11 +24,12 @@ from streamlit.testing.v1 import AppTest
 
 import medseg.apps
 from medseg.apps import render, upload
-from medseg.bundle.export import load_bundle
+from medseg.bundle.load import load_bundle
 from medseg.cli.main import main
 from medseg.datasets.decathlon import load_dataset
-from medseg.datasets.dicom.reader import write_dicom_series
-from medseg.inference.predict import label_volumes, load_image, predict
+from medseg.datasets.dicom.write import write_dicom_series
+from medseg.inference.io import load_image
+from medseg.inference.predict import label_volumes, predict
 
 APP = Path(medseg.apps.__file__).with_name("app.py")
 TIMEOUT = 180  # seconds per script run: long enough for inference on a busy 2-core machine
@@ -141,7 +142,7 @@ def test_nifti_upload_segment_and_export(app_runs, seg_case, expected, monkeypat
         assert float(row["volume (mL)"]) == pytest.approx(want["ml"], abs=0.006)
 
     # the exported mask: NIfTI on the upload's own grid, the same labels as medseg infer
-    mask = at.session_state["result"]["mask"]
+    mask = at.session_state["result"].mask
     img = nib.Nifti1Image.from_bytes(gzip.decompress(mask))
     np.testing.assert_allclose(img.affine, expected["image"].affine.numpy(), atol=1e-5)
     assert img.shape == shape
@@ -177,9 +178,9 @@ def test_dicom_zip_upload_hides_identifiers(app_runs, seg_case, expected, tmp_pa
     # DICOM-SEG: one frame per labelled source slice, equal to the mask at that slice's position
     stored = at.session_state["result"]
     assert any(b.label.startswith("Download DICOM-SEG") for b in at.get("download_button"))
-    seg = hd.seg.segread(io.BytesIO(stored["dicom_seg"]))
+    seg = hd.seg.segread(io.BytesIO(stored.dicom_seg))
     assert [d.SegmentLabel for d in seg.SegmentSequence] == ["organ", "lesion"]
-    label = stored["result"].prediction.label
+    label = stored.result.prediction.label
     affine = np.asarray(label.affine, dtype=np.float64)
     checked = 0
     for path in sorted(folder.iterdir()):
@@ -433,10 +434,10 @@ def test_replace_upload_names_uids_messages_and_trust(
     run_model(at)
     assert not errors(at) and not at.exception, errors(at)
     stored = at.session_state["result"]
-    assert stored["dicom_seg"] is not None, stored["dicom_seg_problem"]
+    assert stored.dicom_seg is not None, stored.dicom_seg_problem
     notes = "\n".join(str(i.value) for i in at.info)
     assert "newly generated UIDs" in notes and "SOPInstanceUID" in notes
-    seg = hd.seg.segread(io.BytesIO(stored["dicom_seg"]))
+    seg = hd.seg.segread(io.BytesIO(stored.dicom_seg))
     assert [d.SegmentLabel for d in seg.SegmentSequence] == ["organ", "lesion"]
     refs = [r for s in seg.ReferencedSeriesSequence for r in s.ReferencedInstanceSequence]
     uids = [
@@ -446,11 +447,11 @@ def test_replace_upload_names_uids_messages_and_trust(
     ]
     uids += [r.ReferencedSOPInstanceUID for r in refs]
     assert len(refs) == expected["image"].shape[3] and all(pydicom.uid.UID(u).is_valid for u in uids), uids
-    label = stored["result"].prediction.label[0].numpy()
+    label = stored.result.prediction.label[0].numpy()
     assert int(seg.pixel_array.astype(bool).sum()) == int((label > 0).sum()) > 0
     # downloads are named after the case and the model
     assert len(at.get("download_button")) == 2
-    assert stored["names"] == {"mask": "anon-tiny-seg-mask.nii.gz", "seg": "anon-tiny-seg-seg.dcm"}
+    assert stored.names == {"mask": "anon-tiny-seg-mask.nii.gz", "seg": "anon-tiny-seg-seg.dcm"}
 
     # a series with a missing slice: plain words, no command-line flag, no folder path
     gap = write_series(expected["image"], tmp_path / "gap")

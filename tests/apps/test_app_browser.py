@@ -24,10 +24,11 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from medseg.bundle.export import load_bundle
+from medseg.bundle.load import load_bundle
 from medseg.datasets.decathlon import load_dataset
-from medseg.datasets.dicom.reader import write_dicom_series
-from medseg.inference.predict import label_volumes, load_image, predict
+from medseg.datasets.dicom.write import write_dicom_series
+from medseg.inference.io import load_image
+from medseg.inference.predict import label_volumes, predict
 from tests.browser import RESULT_TIMEOUT, Viewport, chrome, serve_app
 
 

@@ -29,13 +29,14 @@ from PIL import Image
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from medseg.bundle.export import load_bundle
+from medseg.bundle.load import load_bundle
 from medseg.datasets.decathlon import load_dataset
-from medseg.inference.predict import load_image, predict
-from tests import test_app_browser as app_browser
+from medseg.inference.io import load_image
+from medseg.inference.predict import predict
+from tests.apps import test_app_browser as app_browser
 from tests.browser import RESULT_TIMEOUT, Viewport, serve_app
-from tests.test_app_browser import body_text, click_button
-from tests.test_app_review import second_run  # noqa: F401 - the second model (fixture)
+from tests.apps.test_app_browser import body_text, click_button
+from tests.apps.test_app_review import second_run  # noqa: F401 - the second model (fixture)
 
 browser = app_browser.browser  # the chromium fixture
 

@@ -31,12 +31,13 @@ import numpy as np
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from medseg.bundle.export import load_bundle
+from medseg.bundle.load import load_bundle
 from medseg.datasets.decathlon import load_dataset
-from medseg.inference.predict import load_image, predict
-from tests import test_app_browser as app_browser
+from medseg.inference.io import load_image
+from medseg.inference.predict import predict
+from tests.apps import test_app_browser as app_browser
 from tests.browser import RESULT_TIMEOUT, Viewport
-from tests.test_app_browser import anonymised_series, body_text, click_button, downloaded
+from tests.apps.test_app_browser import anonymised_series, body_text, click_button, downloaded
 
 server, browser = app_browser.server, app_browser.browser  # the fixtures: medseg app, chromium
 

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from medseg.bundle.export import load_bundle
+from medseg.bundle.load import load_bundle
 from medseg.datasets.decathlon import load_dataset
-from medseg.inference.predict import load_image, predict
+from medseg.inference.io import load_image
+from medseg.inference.predict import predict
 from medseg.training.loop import train
 from tests.conftest import tiny_seg_config
-from tests.test_app import errors, new_app, page_text, run_model, upload_files
+from tests.apps.test_app import errors, new_app, page_text, run_model, upload_files
 
 
 @pytest.fixture(scope="module")

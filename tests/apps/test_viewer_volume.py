@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from medseg.apps.upload import UploadedBytes, preview_nifti, viewer_nifti
-from medseg.inference.predict import load_image
+from medseg.inference.io import load_image
 
 OBLIQUE = np.array(
     [

@@ -27,11 +27,12 @@ from monai.bundle.properties import InferProperties, MetaProperties
 from monai.bundle.utils import DEFAULT_METADATA
 
 from medseg.apps.registry import read_info
-from medseg.bundle.export import export_bundle, load_bundle
+from medseg.bundle.export import export_bundle
+from medseg.bundle.load import load_bundle
 from medseg.checkpoint import load_checkpoint
 from medseg.cli.main import main
 from medseg.datasets.decathlon import load_dataset
-from medseg.inference.predict import load_image
+from medseg.inference.io import load_image
 from medseg.training.transforms import preprocess
 from tests.conftest import tiny_seg_config
 from tests.geometry import oblique
@@ -294,7 +295,8 @@ def test_unscriptable_network_is_noted(seg_run, tmp_path: Path, monkeypatch: pyt
 
 
 def test_bundle_with_settings_in_inference_json_still_loads(seg_run, tmp_path: Path) -> None:
-    """Bundles exported before configs/medseg.json existed keep working in medseg and the viewer."""
+    """Bundles without configs/medseg.json (the settings as a ``medseg`` block of inference.json) work in
+    medseg and the viewer."""
     old = tmp_path / "old" / "bundle"
     shutil.copytree(seg_run.run_dir / "bundle", old)
     inference = json.loads((old / "configs" / "inference.json").read_text())

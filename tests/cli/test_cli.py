@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from medseg.cli.main import main
-from medseg.datasets.dicom.reader import write_dicom_series
+from medseg.datasets.dicom.write import write_dicom_series
 from medseg.datasets.nifti import save_nifti
 
 ROOT = Path(__file__).resolve().parents[2]

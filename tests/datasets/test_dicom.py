@@ -14,13 +14,10 @@ from monai.data import MetaTensor
 from monai.transforms import EnsureChannelFirst, LoadImage, Orientation
 from scipy.spatial.transform import Rotation
 
-from medseg.datasets.dicom.reader import (
-    DicomSeriesReader,
-    dicom_to_nifti,
-    list_series,
-    read_dicom_series,
-    write_dicom_series,
-)
+from medseg.datasets.dicom.convert import dicom_to_nifti
+from medseg.datasets.dicom.reader import DicomSeriesReader, read_dicom_series
+from medseg.datasets.dicom.scan import list_series
+from medseg.datasets.dicom.write import write_dicom_series
 from medseg.errors import DataError
 
 DICOMDIR_TESTS = Path(pydicom.__file__).parent / "data/test_files/dicomdirtests"

@@ -16,7 +16,8 @@ import pytest
 from pydicom.uid import EnhancedCTImageStorage
 
 from medseg.cli.main import main
-from medseg.datasets.dicom.reader import read_dicom_series, write_dicom_series
+from medseg.datasets.dicom.reader import read_dicom_series
+from medseg.datasets.dicom.write import write_dicom_series
 from tests.datasets.test_dicom import CT5N, _affine, _oblique, _volume
 from tests.datasets.test_fuzz_input import _no_preamble
 from tests.enhanced import to_multiframe

@@ -2,7 +2,7 @@
 
 Every case runs the real CLI in-process and must give exit status 2, exactly one ``error:`` line that
 names the problem, no traceback, and leave every file that existed before byte for byte as it was (and
-create none). The cases follow the defect classes of issue 17; see README "Bad input".
+create none). The cases follow the rows of the table in README "Bad input".
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pydicom.uid import generate_uid
 
 from medseg.cli.main import main
 from medseg.datasets.decathlon import load_dataset, write_dataset_json
-from medseg.datasets.dicom.reader import write_dicom_series
+from medseg.datasets.dicom.write import write_dicom_series
 from medseg.datasets.nifti import save_nifti
 from medseg.datasets.synthetic import make_cls_dataset, make_seg_dataset
 

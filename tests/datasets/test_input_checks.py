@@ -18,7 +18,8 @@ from scipy.spatial.transform import Rotation
 
 from medseg.cli.main import main
 from medseg.datasets import checks
-from medseg.datasets.dicom.reader import read_dicom_series, write_dicom_series
+from medseg.datasets.dicom.reader import read_dicom_series
+from medseg.datasets.dicom.write import write_dicom_series
 from medseg.datasets.nifti import save_nifti
 from medseg.errors import DataError
 from tests.datasets.test_fuzz_input import AFFINE, _edit, _nifti, _no_preamble, _raw_header_nifti, _set, _vol

@@ -213,7 +213,7 @@ def test_measured_lead_respects_the_bound_and_exceeds_it_when_the_bound_is_off(
 ) -> None:
     """The lead is measured from the leaders' timestamped records, not read from the schedule: with the bound
     switched off (s = 50) a 3x faster group runs several rounds ahead; with s = 1 it never leads by more than 1."""
-    from medseg.bench.sites import _rank_records, max_lead_rounds
+    from medseg.bench.sites_figures import max_lead_rounds, rank_records
 
     leads = {}
     for s in (1, 50):
@@ -221,7 +221,7 @@ def test_measured_lead_respects_the_bound_and_exceeds_it_when_the_bound_is_off(
         config = write_config(tmp_path, dist_data, f"lead{s}", dist, epochs=1)
         proc = medseg("train", "--config", str(config), "--np", "2", env={"MEDSEG_STRAGGLER": "1:3"})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        leads[s] = max_lead_rounds(_rank_records(tmp_path / "runs" / f"lead{s}"))
+        leads[s] = max_lead_rounds(rank_records(tmp_path / "runs" / f"lead{s}"))
     assert leads[1] is not None and leads[1] <= 1, leads
     assert leads[50] > 1, leads
 

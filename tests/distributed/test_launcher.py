@@ -52,7 +52,7 @@ def test_a_rank_without_gloo_is_refused_with_what_to_do(monkeypatch) -> None:
     monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "198.18.1.1")
     monkeypatch.setattr(hvd, "gloo_built", lambda: False)
     with pytest.raises(RunError, match="built without Gloo.*make setup"):
-        HorovodSession(cfg, None)
+        HorovodSession(cfg)
 
 
 def test_end_rank_flushes_what_the_rank_printed_and_exits_0() -> None:

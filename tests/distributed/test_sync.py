@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from medseg.distributed.launch.heartbeat import RankState, Watchdog
-from medseg.distributed.sync.common import dc_compensate
+from medseg.distributed.sync.gssp import dc_compensate
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -30,7 +30,7 @@ def test_dc_asgd_brings_a_stale_update_closer_to_the_fresh_one(seed: int) -> Non
     compensated = dc_compensate(stale, w_now, w_then, lam, lr)
     assert torch.allclose(compensated, -lr * (grad_then + lam * grad_then**2 * (w_now - w_then)))
     assert (compensated - fresh).norm() < (stale - fresh).norm()
-    flipped = stale + (lam / lr) * stale * stale * (w_now - w_then)  # the old, wrong sign
+    flipped = stale + (lam / lr) * stale * stale * (w_now - w_then)  # the opposite sign
     assert (flipped - fresh).norm() > (stale - fresh).norm()
 
 
@@ -75,7 +75,7 @@ def test_watchdog_names_the_frozen_rank_not_the_one_waiting_for_it() -> None:
 
 
 def test_max_lead_rounds_from_timestamps() -> None:
-    from medseg.bench.sites import max_lead_rounds
+    from medseg.bench.sites_figures import max_lead_rounds
 
     # group of rank 0 submits rounds at t = 1, 2, 3, 4; the slow group (rank 2) at t = 2.5, 5
     fast = [{"ev": "submit", "round": k, "t": float(k + 1)} for k in range(4)]
@@ -88,7 +88,7 @@ def test_max_lead_rounds_from_timestamps() -> None:
 
 
 def test_training_curve_excludes_validation_and_start_up() -> None:
-    from medseg.bench.sites import training_curve
+    from medseg.bench.sites_figures import training_curve
 
     # training started at t = 100 (after 40 s of start-up); each validation took 3 s
     records = [

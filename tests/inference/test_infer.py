@@ -11,14 +11,15 @@ import pytest
 import torch
 from monai.bundle import ConfigParser
 
-from medseg.bundle.export import load_bundle
+from medseg.bundle.load import load_bundle
 from medseg.cli.main import main
 from medseg.config import config_from_dict
 from medseg.datasets.decathlon import load_dataset
-from medseg.datasets.dicom.reader import write_dicom_series
+from medseg.datasets.dicom.write import write_dicom_series
 from medseg.datasets.nifti import save_nifti
 from medseg.inference.evaluate import evaluate
-from medseg.inference.predict import label_volumes, load_image, predict
+from medseg.inference.io import load_image
+from medseg.inference.predict import label_volumes, predict
 from medseg.training.loop import train
 from tests.geometry import dicom_series_geometry, oblique
 

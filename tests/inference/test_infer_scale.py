@@ -1,11 +1,11 @@
-"""Inference that scales: labels equal to the previous path, memory checked before starting.
+"""Inference that scales: labels equal to the reference path, memory checked before starting.
 
-The previous path (C probability maps inverted by ``Invertd``, argmax after) is kept in
-``medseg.bench.infer.predict_reference``; :func:`medseg.inference.predict.predict` must give the same labels on
-every voxel, for 3 and 14 classes, for inputs that the model grid down- or up-samples, that are
+The reference path (C probability maps inverted by ``Invertd``, argmax after; the benchmark's
+``old`` variant) is ``medseg.bench.infer.predict_reference``; :func:`medseg.inference.predict.predict`
+must give the same labels on every voxel, for 3 and 14 classes, for inputs that the model grid down- or up-samples, that are
 stored flipped, permuted or oblique. Its parts are checked on their own: the slabbed sliding window
 against MONAI's ``sliding_window_inference`` (``torch.equal``), the streamed inversion against the
-whole-grid one, the memory estimate against the issue's 10% class-growth bound, and the benchmark's
+whole-grid one, the memory estimate against the 10% class-growth bound, and the benchmark's
 label target against differences away from near-ties.
 """
 
@@ -22,10 +22,11 @@ from monai.data import MetaTensor
 
 from medseg import sysinfo
 from medseg.bench.infer import compare_labels, make_bundle, predict_reference, synthetic_ct
-from medseg.bundle.export import load_bundle
+from medseg.bundle.load import load_bundle
 from medseg.errors import DataError
-from medseg.inference import memory as predict_memory
-from medseg.inference.predict import load_image, predict
+from medseg.inference import memory
+from medseg.inference.io import load_image
+from medseg.inference.predict import predict
 from medseg.inference.resample import StreamInverter, as_axis_map, invert_argmax, voxel_map
 from medseg.inference.sliding import buffer_rows, sliding_window_slabs
 
@@ -56,7 +57,7 @@ def _with_affine(
 GEOMETRIES = {
     # CT as stored from DICOM: LPS, 0.78 mm in-plane: the model grid is coarser (downsampling).
     "lps-fine": lambda img: img,
-    # The issue's anisotropic grid, 2.25 x 1.8 x 3 mm: the model grid is finer (upsampling).
+    # An anisotropic grid, 2.25 x 1.8 x 3 mm: the model grid is finer (upsampling).
     "coarse-anisotropic": lambda img: _with_affine(img, np.diag([2.25, 1.8, 3.0])),
     # Stored with axes permuted (k, i, j) and one flipped: orientation undoes a permutation.
     "permuted": lambda img: _with_affine(
@@ -69,7 +70,7 @@ GEOMETRIES = {
 
 @pytest.mark.parametrize("classes", [3, 14])
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
-def test_labels_equal_previous_path(bundles, classes: int, geometry: str) -> None:
+def test_labels_equal_reference_path(bundles, classes: int, geometry: str) -> None:
     bundle = bundles[classes]
     image = GEOMETRIES[geometry](synthetic_ct((52, 44, 24), seed=classes))
     old = predict_reference(bundle, image)
@@ -81,9 +82,9 @@ def test_labels_equal_previous_path(bundles, classes: int, geometry: str) -> Non
     assert cmp["differing_voxels"] == 0, cmp
 
 
-def test_labels_equal_previous_path_on_trained_demo_holdout(seg_run, seg_data: Path) -> None:
+def test_labels_equal_reference_path_on_trained_demo_holdout(seg_run, seg_data: Path) -> None:
     """The tiny trained run of conftest on its dataset's cases: Dice 1.0 between the two paths."""
-    from medseg.bundle.export import load_bundle as load
+    from medseg.bundle.load import load_bundle as load
 
     bundle = load(seg_run.run_dir)
     cases = json.loads((seg_data / "dataset.json").read_text())["training"][:3]
@@ -230,12 +231,12 @@ def test_estimate_grows_with_model_voxels_not_input_voxels(bundles) -> None:
         torch.empty(1, 1, 1, 1).expand(1, 512, 512, 300),
         affine=torch.diag(torch.tensor([-0.78, -0.78, 1.0, 1.0])),
     )
-    e3 = predict_memory.estimate(bundles[3].config, big, 3)
-    e14 = predict_memory.estimate(bundles[14].config, big, 14)
-    n_model = math.prod(predict_memory.model_grid_shape(bundles[3].config, big))
+    e3 = memory.estimate(bundles[3].config, big, 3)
+    e14 = memory.estimate(bundles[14].config, big, 14)
+    n_model = math.prod(memory.model_grid_shape(bundles[3].config, big))
     growth = e14.peak_bytes - e3.peak_bytes
     assert 0 < growth < 4 * 11 * n_model / 3  # well under 11 more float32 maps of the model grid
-    assert growth < 0.1 * e3.peak_bytes  # the issue's target: < 10% from 3 to 14 classes
+    assert growth < 0.1 * e3.peak_bytes  # the target: < 10% from 3 to 14 classes
     assert growth < 0.1 * (old_peak_bytes(512 * 512 * 300, 14) - old_peak_bytes(512 * 512 * 300, 3))
     assert e3.peak_bytes < 1.5 * 2**30
 

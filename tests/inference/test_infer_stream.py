@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from medseg.bench.infer import make_bundle, synthetic_ct
-from medseg.bundle.export import load_bundle
+from medseg.bundle.load import load_bundle
 from medseg.errors import DataError
-from medseg.inference import io as stream_input
-from medseg.inference import memory as predict_memory
-from medseg.inference.io import LazyVolume, SlabReader
-from medseg.inference.memory import model_input
-from medseg.inference.predict import infer_to_file, load_image, predict
+from medseg.inference import io as inference_io
+from medseg.inference import memory
+from medseg.inference.io import LazyVolume, SlabReader, load_image
+from medseg.inference.predict import infer_to_file, predict
+from medseg.inference.segment import model_input
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def _ct(shape: tuple[int, int, int], seed: int) -> np.ndarray:
 GEOMETRIES = {
     # axial CT as stored from DICOM: LPS (x and y flipped), 0.78 mm in-plane: the model grid is coarser
     "lps-fine": (np.diag([-0.78, -0.78, 1.0]), None),
-    # the issue's anisotropic grid, 2.25 x 1.8 x 3 mm: the model grid is finer (upsampling)
+    # an anisotropic grid, 2.25 x 1.8 x 3 mm: the model grid is finer (upsampling)
     "coarse-anisotropic": (np.diag([2.25, 1.8, 3.0]), None),
     # stored (k, i, j) with k flipped: the file's slowest axis is model axis 1 (A-P), read backwards
     "permuted-flipped": (np.array([[0.9, 0, 0], [0, 0, -1.3], [0, 1.1, 0]]), (0, 2, 1)),
@@ -85,7 +85,7 @@ def test_streamed_labels_equal_loaded_labels(
     assert np.array_equal(np.asarray(lazy.affine), np.asarray(loaded.affine))
     # a chunk budget of a few input slices: the model grid is built from many slabs
     plane = lazy.spatial[0] * lazy.spatial[1]
-    monkeypatch.setattr(stream_input, "STREAM_SLAB_BYTES", 64 * plane)
+    monkeypatch.setattr(inference_io, "STREAM_SLAB_BYTES", 64 * plane)
     x_loaded, aff_loaded = model_input(bundle.config, loaded)
     x_lazy, aff_lazy = model_input(bundle.config, lazy)
     assert np.array_equal(aff_loaded, aff_lazy)
@@ -112,7 +112,7 @@ def test_streamed_reads_every_slice_once_in_many_slabs(
 
         monkeypatch.setattr(LazyVolume, "slices", spy)
         plane = lazy.spatial[0] * lazy.spatial[1]
-        monkeypatch.setattr(stream_input, "STREAM_SLAB_BYTES", 64 * plane)
+        monkeypatch.setattr(inference_io, "STREAM_SLAB_BYTES", 64 * plane)
         model_input(bundles[3].config, lazy)
         monkeypatch.undo()
         k = lazy.spatial[2]
@@ -140,15 +140,15 @@ def test_threshold_decides_and_defaults(tmp_path: Path, monkeypatch: pytest.Monk
     assert not isinstance(load_image(path, stream_above=n), LazyVolume)
     assert not isinstance(load_image(path), LazyVolume)  # the viewer and evaluate load
     monkeypatch.delenv("MEDSEG_STREAM_VOXELS", raising=False)
-    assert stream_input.stream_threshold() == stream_input.STREAM_VOXELS
+    assert inference_io.stream_threshold() == inference_io.STREAM_VOXELS
     monkeypatch.setenv("MEDSEG_STREAM_VOXELS", "123")
-    assert stream_input.stream_threshold() == 123
-    assert stream_input.stream_threshold(7) == 7
+    assert inference_io.stream_threshold() == 123
+    assert inference_io.stream_threshold(7) == 7
     monkeypatch.setenv("MEDSEG_STREAM_VOXELS", "lots")
     with pytest.raises(DataError, match="MEDSEG_STREAM_VOXELS"):
-        stream_input.stream_threshold()
+        inference_io.stream_threshold()
     with pytest.raises(DataError, match="stream-above"):
-        stream_input.stream_threshold(-1)
+        inference_io.stream_threshold(-1)
 
 
 def test_infer_writes_the_same_file_streamed(
@@ -187,8 +187,8 @@ def test_estimate_of_the_streamed_path_leaves_the_input_out(bundles, tmp_path: P
     """Streamed: no float32 input; the difference to the loaded estimate is the input's 4 bytes per voxel."""
     path = _file(tmp_path, "lps-fine", seed=6)
     cfg = bundles[14].config
-    loaded = predict_memory.estimate(cfg, load_image(path), 14)
-    lazy = predict_memory.estimate(cfg, load_image(path, stream_above=0), 14)
+    loaded = memory.estimate(cfg, load_image(path), 14)
+    lazy = memory.estimate(cfg, load_image(path, stream_above=0), 14)
     n_in = 52 * 44 * 24
     assert loaded.input_bytes == 4 * n_in and lazy.input_bytes == 0
     assert lazy.stream_bytes == loaded.stream_bytes
@@ -197,7 +197,7 @@ def test_estimate_of_the_streamed_path_leaves_the_input_out(bundles, tmp_path: P
     big.spatial, big.shape = (512, 512, 1000), (1, 512, 512, 1000)
     big.affine = torch.as_tensor(np.diag([-0.78, -0.78, 1.0, 1.0]))
     big.stored_itemsize = 2
-    est = predict_memory.estimate(cfg, big, 14)
+    est = memory.estimate(cfg, big, 14)
     assert est.input_bytes == 0
     assert est.peak_bytes < 8 * 2**30
     assert est.peak_bytes == est.base_bytes + max(est.preprocess_bytes, est.stream_bytes)

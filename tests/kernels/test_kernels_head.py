@@ -10,11 +10,11 @@ import torch
 from monai.losses import DiceCELoss
 from torch import nn
 
+from medseg.kernels import dice_ce, optimize_memory
 from medseg.kernels import head as fused_head
-from medseg.kernels import loss as fused_loss
-from medseg.kernels import optimize_memory
+from medseg.kernels.dice_ce import DiceCEReference
 from medseg.kernels.head import deferred_head, head_dice_ce
-from medseg.kernels.loss import DiceCEReference, FusedDiceCELoss
+from medseg.kernels.loss import FusedDiceCELoss
 
 DEVICES = [
     "cpu",
@@ -28,7 +28,7 @@ HEADS = {"k3-residual": (3, True), "k1": (1, False)}
 @pytest.fixture(params=["native", "reference"])
 def backend(request, monkeypatch):
     if request.param == "reference":
-        monkeypatch.setattr(fused_loss, "ops_for", lambda x: DiceCEReference)
+        monkeypatch.setattr(dice_ce, "ops_for", lambda x: DiceCEReference)
     return request.param
 
 
@@ -107,7 +107,7 @@ def test_gradcheck(include_background, head, device, backend, monkeypatch):
 
 def _gc(x, w, b, residual, labels, include_background):
     """head_dice_ce with the weight and bias as explicit inputs (gradcheck perturbs them)."""
-    labels_t = fused_loss.label_tensor(labels, w.shape[0])
+    labels_t = dice_ce.label_tensor(labels, w.shape[0])
     return fused_head._HeadDiceCE.apply(
         x, w, b, labels_t, residual, include_background, 0.7, 1.3, (1e-5, 1e-5)
     )

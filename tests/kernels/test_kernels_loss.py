@@ -8,9 +8,9 @@ import pytest
 import torch
 from monai.losses import DiceCELoss
 
-from medseg.kernels import loss as fused_loss
-from medseg.kernels import native
-from medseg.kernels.loss import DiceCEReference, FusedDiceCELoss
+from medseg.kernels import dice_ce, native
+from medseg.kernels.dice_ce import DiceCEReference
+from medseg.kernels.loss import FusedDiceCELoss
 
 DEVICES = [
     "cpu",
@@ -23,7 +23,7 @@ TOL = {torch.float64: 1e-9, torch.float32: 1e-5}
 def backend(request, monkeypatch):
     """Run on the native kernels (CPU, or CUDA when built with it) and on the PyTorch reference."""
     if request.param == "reference":
-        monkeypatch.setattr(fused_loss, "ops_for", lambda x: DiceCEReference)
+        monkeypatch.setattr(dice_ce, "ops_for", lambda x: DiceCEReference)
     return request.param
 
 
@@ -81,7 +81,7 @@ def test_gradcheck(include_background, device, backend):
 @pytest.mark.parametrize("device", DEVICES)
 def test_int32_labels_beyond_255_classes(device, backend):
     logits, labels = _case(260, torch.float64, device, shape=(1, 4, 3, 2))
-    assert fused_loss.label_tensor(labels, 260).dtype == torch.int32
+    assert dice_ce.label_tensor(labels, 260).dtype == torch.int32
     l0, g0, l1, g1 = _monai_and_fused(logits, labels, include_background=True)
     assert abs(float(l1) - float(l0)) <= 1e-9
     assert float((g1 - g0).abs().max()) <= 1e-9 * float(g0.abs().max())
@@ -134,7 +134,7 @@ def test_native_backend_is_used_when_built():
     if native.load() is None:
         pytest.skip("native kernels not built")
     x = torch.randn(1, 2, 4)
-    assert fused_loss.ops_for(x) is not DiceCEReference
+    assert dice_ce.ops_for(x) is not DiceCEReference
 
 
 def test_task_uses_fused_loss_with_train_memory_fused(tmp_path):

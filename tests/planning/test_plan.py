@@ -70,7 +70,7 @@ def test_fingerprint_facts_and_cache(seg_data: Path, tmp_path: Path) -> None:
 
 
 def test_target_spacing_follows_nnunet_anisotropy_rule() -> None:
-    from medseg.planning.planner import target_spacing
+    from medseg.planning.rules import target_spacing
 
     thick = {
         "median_spacing": [0.7, 0.7, 5.0],
@@ -96,9 +96,8 @@ def test_normalisation_schemes_do_their_maths() -> None:
     x = torch.tensor([[[[-1000.0, 0.0, 50.0, 120.0, 400.0, 3000.0]]]])
     ct = tf.intensity_array(_cfg(scheme="ct", clip=[0.0, 400.0], mean=100.0, std=50.0))(x).as_tensor()
     assert torch.allclose(ct, (x.clamp(0.0, 400.0) - 100.0) / 50.0)
-    window = tf.intensity_array(_cfg())(
-        x
-    ).as_tensor()  # old configs: the fixed window [-200, 300] onto [0, 1]
+    # without transforms.normalize: the fixed window [-200, 300] onto [0, 1]
+    window = tf.intensity_array(_cfg())(x).as_tensor()
     assert torch.allclose(window, ((x + 200.0) / 500.0).clamp(0, 1))
     mr = torch.tensor([[[[0.0, 0.0, 10.0, 20.0, 30.0]]]])
     z = tf.intensity_array(_cfg(scheme="zscore"))(mr.clone()).as_tensor()  # MONAI works in place
@@ -116,9 +115,10 @@ def test_mr_zscore_end_to_end_train_infer_bundle(mr_data: Path, tmp_path: Path) 
     another intensity scale gives the same labels."""
     from monai.bundle import ConfigParser
 
-    from medseg.bundle.export import load_bundle
-    from medseg.inference.memory import model_input
-    from medseg.inference.predict import load_image, predict
+    from medseg.bundle.load import load_bundle
+    from medseg.inference.io import load_image
+    from medseg.inference.predict import predict
+    from medseg.inference.segment import model_input
     from medseg.training.loop import train
     from tests.conftest import tiny_seg_config
 
@@ -149,14 +149,14 @@ def test_mr_zscore_end_to_end_train_infer_bundle(mr_data: Path, tmp_path: Path) 
 
 
 def test_demo_anchor_is_the_demo_config() -> None:
-    from medseg.planning import planner as plan
+    from medseg.planning import rules
 
     demo = load_config(ROOT / "configs" / "demo-seg.yaml")
-    assert demo.transforms.patch == plan.DEMO_PATCH and demo.train.batch_size == plan.DEMO_BATCH
-    assert demo.transforms.num_samples == plan.DEMO_SAMPLES
+    assert demo.transforms.patch == rules.DEMO_PATCH and demo.train.batch_size == rules.DEMO_BATCH
+    assert demo.transforms.num_samples == rules.DEMO_SAMPLES
     # 13 training cases: `medseg data synth-seg --cases 16` at val_fraction 0.2 (make demo)
-    assert demo.train.epochs * math.ceil(13 / demo.train.batch_size) == plan.DEMO_STEPS
-    m = plan.DEMO_MODEL
+    assert demo.train.epochs * math.ceil(13 / demo.train.batch_size) == rules.DEMO_STEPS
+    m = rules.DEMO_MODEL
     assert (demo.model.name, demo.model.channels, demo.model.strides, demo.model.num_res_units) == (
         m["name"],
         m["channels"],
@@ -169,11 +169,13 @@ def test_plan_writes_a_trainable_config_and_verify_holds(seg_data: Path, tmp_pat
     """A memory budget that binds: the plan's YAML loads as a config with each choice commented, its
     patch is the largest that fits, and two measured training steps at it stay within 15% of the
     prediction and within the budget."""
-    from medseg.planning import planner as planner
+    from medseg.planning.plan_io import format_verify, verify, write_plan
+    from medseg.planning.planner import plan
+    from medseg.planning.rules import SAFETY, divisor
 
     budget_gb = 0.02
-    p = planner.plan(seg_data, memory_gb=budget_gb, device="cpu", time_s=0, name="planned")
-    out = planner.write_plan(p, tmp_path / "planned.yaml")
+    p = plan(seg_data, memory_gb=budget_gb, device="cpu", time_s=0, name="planned")
+    out = write_plan(p, tmp_path / "planned.yaml")
     text = out.read_text()
     cfg = load_config(out)
     assert cfg.transforms.normalize.scheme == "ct"
@@ -190,23 +192,23 @@ def test_plan_writes_a_trainable_config_and_verify_holds(seg_data: Path, tmp_pat
         p.fingerprint["foreground_intensity"]["p0_5"], abs=1e-3
     )
     budget = budget_gb * 2**30
-    assert p.predicted_total <= planner.SAFETY * budget
+    assert p.predicted_total <= SAFETY * budget
     # the prediction is for the batch training really draws: batch_size cases x num_samples patches
     step_patches = cfg.train.batch_size * cfg.transforms.num_samples
     assert p.memory.total(p.params, step_patches * math.prod(cfg.transforms.patch)) == pytest.approx(
         p.predicted_total
     )
     # one divisor step more on any axis would not fit
-    mm, div = p.memory, planner._divisor("unet", "cpu")
+    mm, div = p.memory, divisor("unet", "cpu")
     for a in range(3):
         bigger = list(cfg.transforms.patch)
         bigger[a] += div
         assert mm.total(
             p.params, cfg.train.batch_size * cfg.transforms.num_samples * math.prod(bigger)
-        ) > planner.SAFETY * budget or (bigger[a] > math.ceil(p.fingerprint["median_shape"][a] / div) * div)
-    v = planner.verify(p)
-    assert v["within_budget"], planner.format_verify(v)
-    assert abs(v["error"]) <= 0.15, planner.format_verify(v)
+        ) > SAFETY * budget or (bigger[a] > math.ceil(p.fingerprint["median_shape"][a] / div) * div)
+    v = verify(p)
+    assert v["within_budget"], format_verify(v)
+    assert abs(v["error"]) <= 0.15, format_verify(v)
 
 
 def _ball_volume(size: int, centre: tuple[int, int, int], radius: float) -> MetaTensor:
@@ -222,7 +224,7 @@ def test_classification_object_crop_holds_an_off_centre_object() -> None:
     the ball is cropped and resized whole into the patch. MONAI's inference.json does the same."""
     from monai.bundle import ConfigParser
 
-    from medseg.bundle.export import _preprocessing
+    from medseg.bundle.export import OBJECT_MASK_EXPR, preprocessing
 
     image, inside = _ball_volume(64, (12, 50, 14), 8.0)
     base = {
@@ -248,11 +250,11 @@ def test_classification_object_crop_holds_an_off_centre_object() -> None:
     assert not (mask[0].any() or mask[-1].any() or mask[:, 0].any() or mask[:, -1].any())
     assert not (mask[:, :, 0].any() or mask[:, :, -1].any())
     # MONAI's bundle preprocessing (no medseg import) matches medseg's object crop
-    chain = _preprocessing(obj)["transforms"][2:]  # after loading: RAS, spacing, intensity, crop, resize, pad
+    chain = preprocessing(obj)["transforms"][2:]  # after loading: RAS, spacing, intensity, crop, resize, pad
     parser = ConfigParser(
         {
             "imports": ["$import numpy", "$import torch"],
-            "medseg_object_mask": __import__("medseg.bundle.export", fromlist=["x"]).OBJECT_MASK_EXPR,
+            "medseg_object_mask": OBJECT_MASK_EXPR,
             "pre": {"_target_": "Compose", "transforms": chain},
         }
     )
@@ -265,10 +267,11 @@ def test_dynunet_plan_predicts_its_measured_peak(seg_data: Path) -> None:
     measured on the planned patch's own network: at a budget that binds, the predicted peak is within
     15% of two training steps measured at the planned patch in a fresh process, and within budget."""
     from medseg.models import dynunet_plan
-    from medseg.planning import planner as planner
+    from medseg.planning.plan_io import format_verify, verify
+    from medseg.planning.planner import plan
 
     budget_gb = 0.2
-    p = planner.plan(seg_data, memory_gb=budget_gb, device="cpu", net="dynunet", time_s=0, name="dyn")
+    p = plan(seg_data, memory_gb=budget_gb, device="cpu", net="dynunet", time_s=0, name="dyn")
     cfg = p.config
     patch, spacing = cfg["transforms"]["patch"], cfg["transforms"]["spacing"]
     assert "bound by memory" in p.comments["transforms.patch"]
@@ -276,6 +279,6 @@ def test_dynunet_plan_predicts_its_measured_peak(seg_data: Path) -> None:
     kernels, strides = dynunet_plan(patch, spacing)
     assert p.memory.topology == f"kernels {kernels}, strides {strides}"
     assert p.probe_runs == 2 * p.topologies
-    v = planner.verify(p)
-    assert v["within_budget"], planner.format_verify(v)
-    assert abs(v["error"]) <= 0.15, planner.format_verify(v)
+    v = verify(p)
+    assert v["within_budget"], format_verify(v)
+    assert abs(v["error"]) <= 0.15, format_verify(v)

@@ -8,6 +8,7 @@ testbed and the ``testbed`` context manager removes it, so a failing test leaves
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,8 +18,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from medseg.distributed.testbed import testbed as sites
-from medseg.distributed.testbed.testbed import SitesError, WanSpec, leftovers, tcp_connects
+from medseg.distributed.testbed import testbed as sites  # not its names: pytest would collect them
+from medseg.distributed.testbed.cgroups import CFS_PERIOD_US
+from medseg.distributed.testbed.host import check_host
+from medseg.distributed.testbed.netns import our_namespaces
+from medseg.distributed.testbed.probe import tcp_connect_error, tcp_connects, tcp_throughput
+from medseg.distributed.testbed.spec import SitesError, WanSpec, parse_cpu, parse_sites, parse_wan
+from medseg.distributed.testbed.sweep import leftovers
 from tests.conftest import tiny_seg_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +33,7 @@ BIN = Path(sys.executable).parent
 
 def _host_problem() -> str | None:
     try:
-        sites.check_host(cpu=True)
+        check_host(cpu=True)
     except SitesError as exc:
         return str(exc)
     return None
@@ -51,12 +57,12 @@ def _start_job(tb: sites.Testbed, argv: list[str], env: dict[str, str]) -> subpr
 
 
 def test_specs_parse_and_name_what_is_wrong() -> None:
-    assert sites.parse_wan("20mbit:25ms") == WanSpec(20_000_000, 25.0, 0.0)
-    assert sites.parse_wan("1gbit:500us:0.1%") == WanSpec(10**9, 0.5, 0.001)
-    assert sites.parse_wan("none") == WanSpec(None, 0.0, 0.0)
-    assert str(sites.parse_wan("20mbit:25ms:1%")) == "20mbit:25ms:1%"
-    assert sites.parse_sites("a:2,b:1") == {"a": 2, "b": 1}
-    assert sites.parse_cpu("a=0.5", {"a": 2, "b": 1}) == {"a": 0.5}
+    assert parse_wan("20mbit:25ms") == WanSpec(20_000_000, 25.0, 0.0)
+    assert parse_wan("1gbit:500us:0.1%") == WanSpec(10**9, 0.5, 0.001)
+    assert parse_wan("none") == WanSpec(None, 0.0, 0.0)
+    assert str(parse_wan("20mbit:25ms:1%")) == "20mbit:25ms:1%"
+    assert parse_sites("a:2,b:1") == {"a": 2, "b": 1}
+    assert parse_cpu("a=0.5", {"a": 2, "b": 1}) == {"a": 0.5}
     for bad, where in (
         ("20mbit", "RATE:DELAY"),
         ("20mbps2:1ms", "rate"),
@@ -64,13 +70,13 @@ def test_specs_parse_and_name_what_is_wrong() -> None:
         ("1mbit:1ms:5", "loss"),
     ):
         with pytest.raises(SitesError, match=where):
-            sites.parse_wan(bad)
+            parse_wan(bad)
     with pytest.raises(SitesError, match="NAME:RANKS"):
-        sites.parse_sites("a2")
+        parse_sites("a2")
     with pytest.raises(SitesError, match="named twice"):
-        sites.parse_sites("a:1,a:1")
+        parse_sites("a:1,a:1")
     with pytest.raises(SitesError, match="not one of the sites"):
-        sites.parse_cpu("c=1", {"a": 1})
+        parse_cpu("c=1", {"a": 1})
 
 
 def _tcp_packet(seq: int, payload: int, sport: int = 40000, options: int = 12) -> bytes:
@@ -110,13 +116,13 @@ def test_relay_counts_headers_payload_and_retransmissions() -> None:
 def test_without_root_or_tools_the_cli_says_what_to_do(monkeypatch, capsys) -> None:
     from medseg.cli.main import main
 
-    monkeypatch.setattr(sites.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert main(["sites", "up", "--sites", "a:1,b:1", "--wan", "20mbit:25ms"]) == 2
     assert "error: the sites testbed needs root" in capsys.readouterr().err
-    monkeypatch.setattr(sites.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(sites.shutil, "which", lambda tool: None if tool == "unshare" else "/usr/bin/" + tool)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda tool: None if tool == "unshare" else "/usr/bin/" + tool)
     with pytest.raises(SitesError, match="needs unshare.*make sites-deps"):
-        sites.check_host()
+        check_host()
     assert main(["sites", "up", "--sites", "a:1,b:1", "--wan", "20mbit"]) == 2
     assert "RATE:DELAY" in capsys.readouterr().err
 
@@ -155,7 +161,7 @@ def test_up_probe_and_down_leaves_nothing() -> None:
         assert "default" not in out.stdout and "198.18.0.0/15 via 198.18.1.254" in out.stdout
         assert any(line.endswith(":/medseg-sites/a") for line in lines if ":cpu" in line)
         cg = Path("/sys/fs/cgroup/cpu/medseg-sites")
-        assert int((cg / "a" / "cpu.cfs_quota_us").read_text()) == sites.CFS_PERIOD_US // 2
+        assert int((cg / "a" / "cpu.cfs_quota_us").read_text()) == CFS_PERIOD_US // 2
         assert int((cg / "b" / "cpu.cfs_quota_us").read_text()) == -1
         counters = tb.wan_counters()
         assert counters["bytes"] > 5_000_000  # the probe's flow crossed the WAN relay
@@ -168,7 +174,7 @@ def test_up_probe_and_down_leaves_nothing() -> None:
 def test_probe_measures_an_unshaped_link_that_sends_everything_within_the_warmup() -> None:
     # 16 MB over a veth takes milliseconds, far less than the probe's 0.5 s slow-start warm-up
     with sites.testbed(sites="a:1,b:1", wan="none", probe=False) as tb:
-        flow = sites.tcp_throughput(tb.site("a"), tb.site("b"), seconds=3.0, max_bytes=16 << 20)
+        flow = tcp_throughput(tb.site("a"), tb.site("b"), seconds=3.0, max_bytes=16 << 20)
         assert flow["bytes"] == 16 << 20
         assert flow["mbit_s"] > 100 and 0 < flow["seconds"] < 3.0
     assert leftovers() == []
@@ -181,7 +187,7 @@ def test_cut_stops_traffic_and_restore_brings_it_back() -> None:
         assert tcp_connects(a, b)
         tb.cut("b")
         assert tb.status()["sites"][1]["link_up"] is False
-        error = sites.tcp_connect_error(a, b, timeout=2.0)
+        error = tcp_connect_error(a, b, timeout=2.0)
         # dropped (a timeout) or answered by the router as unreachable; never refused by site b itself
         assert error is not None and not isinstance(error, ConnectionRefusedError), error
         tb.restore("b")
@@ -215,7 +221,7 @@ def test_up_replaces_a_crashed_testbed_and_refuses_a_live_one() -> None:
     crashed = sites.Testbed.up("a:1,b:1", "none", probe=False, owned=False)  # as if its maker had died
     _run_ok(["ip", "netns", "add", "msite-junk"])  # and a half-made extra from a failed `up`
     with sites.testbed(sites="x:1,y:1", wan="none", probe=False) as tb:
-        assert sorted(n for n in sites._our_namespaces()) == ["msite-router", "msite-x", "msite-y"]
+        assert sorted(n for n in our_namespaces()) == ["msite-router", "msite-x", "msite-y"]
         assert tcp_connects(tb.site("x"), tb.site("y"))
         holder = subprocess.Popen(["sleep", "30"])
         try:

@@ -134,8 +134,8 @@ def test_label_shape_mismatch_stops_training_before_it_starts(seg_data: Path, tm
 
 
 def test_an_equal_key_metric_is_decided_by_the_tie_break_metric() -> None:
-    """The demo's classifier reached AUC 1.0 at epoch 11 (accuracy 0.47) and 13 (accuracy 1.0); the
-    earlier one was exported. With the tie broken by accuracy the later one is."""
+    """Two epochs of equal AUC 1.0 (accuracy 0.47, then 1.0): AUC alone cannot tell them apart, so the
+    tie-break metric (accuracy) decides and the later epoch is the best."""
     from medseg.training.tasks import ClassificationTask, SegmentationTask, improves
 
     key, tie = ClassificationTask.key_metric, ClassificationTask.tie_metric

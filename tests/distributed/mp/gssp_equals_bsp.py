@@ -10,7 +10,8 @@ import horovod.torch as hvd
 import torch
 
 from medseg.distributed.comm.channel import Channel
-from medseg.distributed.sync.common import GroupStale, flat
+from medseg.distributed.sync.common import flat
+from medseg.distributed.sync.gssp import GroupStale
 
 
 def model_and_data(seed: int) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:

@@ -26,7 +26,9 @@ import torch
 
 from medseg.distributed.comm.channel import Channel
 from medseg.distributed.comm.compression import ErrorFeedback
-from medseg.distributed.sync.common import GroupStale, LocalSGD, decode_layers, flat, float_buffers
+from medseg.distributed.sync.common import flat, float_buffers
+from medseg.distributed.sync.gssp import GroupStale, decode_layers
+from medseg.distributed.sync.local_sgd import LocalSGD
 
 ROUNDS = 6
 PERIODS = [2, 1]  # the fast group 0 runs 2 steps per round, the slow group 1 one step

@@ -36,8 +36,8 @@ import torch
 from compressed_allreduce import LARGE, SHAPES, SMALL, chunk_sizes, enc_bytes, inputs
 
 from medseg.distributed.comm.channel import Channel
-from medseg.distributed.comm.collectives import HierarchicalCompressedAllreduce
 from medseg.distributed.comm.compression import DEFAULT_CLIP, decode, encode
+from medseg.distributed.comm.site_allreduce import HierarchicalCompressedAllreduce
 
 BITS, STEPS = 4, 24
 
@@ -155,7 +155,7 @@ def main() -> int:
     # The benchmark's UNet (bench sites): WAN bytes of one call against float32 ring allreduce.
     from monai.networks.nets import UNet
 
-    from medseg.bench.sites import MODEL
+    from medseg.bench.sites_configs import MODEL
 
     torch.manual_seed(rank)
     unet = UNet(3, 1, 3, MODEL["channels"], MODEL["strides"], num_res_units=MODEL["num_res_units"])

@@ -1,0 +1,374 @@
+"""``gssp`` and ``ssp``: synchronous inside a group, bounded-staleness asynchronous across groups."""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from medseg.distributed.comm.channel import Channel, TorchTransport
+from medseg.distributed.comm.collectives import CompressedAllreduce
+from medseg.distributed.comm.compression import ErrorFeedback, decode, encoded_nbytes
+from medseg.distributed.sync.common import (
+    SyncedOptimizer,
+    assign,
+    average_model,
+    flat,
+    load_local,
+    ring_allreduce_bytes,
+    site_average,
+)
+
+
+def dc_compensate(
+    delta: torch.Tensor, w_now: torch.Tensor, w_then: torch.Tensor, lam: float, lr: float
+) -> torch.Tensor:
+    """DC-ASGD's delay compensation of a model change ``delta`` (= −lr·g) computed at ``w_then``.
+
+    g' = g + λ g⊙g⊙(w_now − w_then) with g = −Δ/η gives Δ' = Δ − (λ/η) Δ⊙Δ⊙(w_now − w_then).
+    """
+    if lam == 0.0 or lr <= 0.0:
+        return delta
+    return delta - (lam / lr) * delta * delta * (w_now - w_then)
+
+
+def decode_layers(buf: torch.Tensor, sizes: list[int], bits: int) -> torch.Tensor:
+    """Decode a concatenation of per-layer encodings into one flat float32 vector."""
+    out, offset = [], 0
+    for n in sizes:
+        size = encoded_nbytes(n, bits)
+        out.append(decode(buf[offset : offset + size], bits, n))
+        offset += size
+    return torch.cat(out)
+
+
+class GroupAverage:
+    """Averages gradients over this rank's group every step, on the group's own process group.
+
+    Every gradient becomes g = (1/|g|) Σ_{r∈g} g_r (a missing gradient counts as zero):
+
+    - ``none``: one float32 allreduce of all gradients, flattened;
+    - ``fp16``: the flattened gradients summed in float16, then divided by |g| in float32;
+    - ``fixed``: :class:`~medseg.distributed.comm.collectives.CompressedAllreduce` over the
+      group's ``torch.distributed`` group (codes for tensors of 1024 elements or more).
+
+    :class:`GroupStale` uses ``none``: in-site links are fast, so the per-step average stays exact.
+    Calling it returns the bytes this rank sent (ring allreduce model for ``none`` and ``fp16``).
+    """
+
+    def __init__(self, model: torch.nn.Module, channel: Channel, compression: str, bits: int) -> None:
+        self.channel = channel
+        self.size = len(channel.group)
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for _, p in self.named)
+        self.compression = compression
+        self.fixed = None
+        if self.size > 1 and compression == "fixed":
+            transport = TorchTransport(channel.group_pg)
+            self.fixed = CompressedAllreduce(bits, min_numel=1024, name="grad.group", transport=transport)
+
+    def __call__(self) -> int:
+        """Replace every gradient by the group's average; return the bytes this rank sent."""
+        if self.size == 1:
+            return 0
+        for _, p in self.named:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.fixed is not None:
+            averaged = self.fixed({n: p.grad for n, p in self.named})
+            for n, p in self.named:
+                p.grad = averaged[n]
+            return int(self.fixed.last_bytes_sent)
+        grads = [p.grad for _, p in self.named]
+        vector = flat(grads)
+        if self.compression == "fp16":
+            half = vector.half()
+            self.channel.group_pg.allreduce_(half)
+            vector = half.float() / self.size
+        else:
+            self.channel.group_mean_(vector)
+        assign(grads, vector)
+        elem = 2 if self.compression == "fp16" else 4
+        return int(ring_allreduce_bytes(self.numel, elem, self.size))
+
+
+@dataclass
+class _Round:
+    r: int
+    work: Any  # the leaders' async work handle (None on non-leaders)
+    buf: Any  # what the work fills: the sum (none) or the list of gathered codes (fixed)
+    own: torch.Tensor  # Δ_g(r) as the other groups will see it
+    w_then: torch.Tensor | None
+
+
+class GroupStale(SyncedOptimizer):
+    """``gssp`` and ``ssp``: synchronous inside a group, bounded-staleness asynchronous across groups.
+
+    Group-staleness synchronous parallel (Jiang et al., CCGrid 2019, on SSP, Ho et al. 2013);
+    ``ssp`` is gssp with one rank per group. Notation as in :mod:`medseg.distributed.sync.common`;
+    s is the staleness bound, a the anchor (w right after the group's last submission, not
+    counting what was received), c_h the weight of group h: its share of the samples in a round
+    (c_h ∝ |h| · period_h, Σ_h c_h = 1; FedAvg's weighting). The leader of a group is its lowest rank.
+
+    1. Every step, inside the group: the gradients are averaged synchronously on the group's own
+       process group (:class:`GroupAverage`, exact), so every member holds the same w, and the
+       optimizer steps.
+    2. Every ``period_g`` steps, at the end of the group's round k, it submits its own change since
+       its previous submission, Δ_g(k) = w − a: the leader starts an asynchronous allreduce of
+       c_g Δ_g(k) over the leaders' group, S(k) = Σ_h c_h Δ_h(k) (the groups' weighted mean
+       change), and the group trains on; a ← w.
+    3. The leader then decides how many of the oldest pending rounds to apply now,
+       n = max(#completed, #forced), where round r is *forced* when r ≤ k − s, and tells its group
+       (an in-site broadcast, so the members stay identical).
+    4. For each applied round r the leader waits for S(r) (a forced round waits until the slowest
+       group has submitted it) and broadcasts it in its site; every member then moves from its own
+       change to the mean change, weighted down by its staleness τ = k − r::
+
+           u = (S(r) − Δ_g(r)) / max(τ, 1);   w ← w + u;   a ← a + u.
+
+    5. At the end of an epoch every pending round is applied and all ranks average w and the float
+       buffers (:func:`~medseg.distributed.sync.common.average_model`), so every rank starts the next
+       epoch (and validates) with one model.
+
+    At τ ≤ 1 every group thus holds a_0 + S(r) (+ its own later rounds): one model, as in local
+    SGD, which an epoch of G groups moves as far as bsp's epoch moves one. Adding the other groups'
+    full changes instead (u = Σ_h Δ_h − Δ_g, asynchronous SGD's rule) would move the model G times
+    as far in the direction all groups share, which overshoots once rounds are long enough to hide
+    the WAN. τ = 1 is the pipeline itself: a round exchanged while the next one computes (what
+    ``dist.hide_wan`` arranges on purpose) is applied one round late, so it keeps its full weight,
+    and only rounds later than that are damped, by the staleness-dependent rate η/τ of Zhang et al.
+    (IJCAI 2016); damping by 1/(τ + 1) would halve every remote change of a pipelined run.
+
+    Bounded staleness: no group starts round k + 1 before every group has submitted round k − s, so
+    a group never leads the slowest by more than s completed rounds when it starts a round, and
+    τ ≤ s.
+
+    Delay compensation (``dc_lambda`` = λ > 0; DC-ASGD, Zheng et al., ICML 2017): the part of S(r)
+    that came from the other groups, S(r) − c_g Δ_g(r), is compensated for the delay before step 4.
+    Their gradient g was taken at w_then (this group's w when round r was submitted) and is applied
+    at w_now; DC-ASGD uses g + λ g⊙g⊙(w_now − w_then), the diagonal of the outer-product
+    approximation of the Hessian. For a model change Δ = −η g that is (:func:`dc_compensate`)::
+
+        Δ' = Δ − (λ/η) Δ⊙Δ⊙(w_now − w_then).
+
+    With ``compression: fixed`` a round travels as fixed-bit codes: every member encodes Δ_g layer
+    by layer with the same error-feedback residual (what a round does not carry is added to the
+    next; the members' inputs are identical, so are their codes and residuals), the leaders
+    ``all_gather`` the G encodings asynchronously, and Δ_g is then the decoded value, the same on
+    every rank; each group forms S(r) = Σ_h c_h Δ_h(r) from the decoded changes in group order
+    (:func:`decode_layers`).
+
+    With one group and s = 0, gssp reduces to synchronous data parallelism: nothing is received
+    from other groups (S − Δ_g = 0) and the parameters equal bsp's
+    (tests/distributed/mp/gssp_equals_bsp.py). With several groups its result is what a single
+    process replaying the logged schedule computes (tests/distributed/mp/gssp_replay.py): every
+    engine logs, in ``events``, each round it submitted and each round it applied, at which round
+    boundary and with which τ.
+
+    Args:
+        optimizer: the torch optimizer of this rank (each group steps its own).
+        model: the model; its parameters requiring gradients form w.
+        channel: medseg's channel, with the groups set (this rank's group, the leaders' group).
+        period: period_g, steps per round of this rank's group.
+        staleness: s, the staleness bound in rounds.
+        dc_lambda: λ of DC-ASGD; 0 applies the rounds uncompensated.
+        compression: ``"none"`` (float32 rounds) or ``"fixed"`` (coded rounds).
+        bits: bits per code with ``"fixed"``.
+        on_event: called on the leader with a record at each submission and each round start.
+        exchange: run the cross-group exchange (default: when there are several groups).
+        local_norm: keep the normalisation layers in the site (FedBN, see
+            :mod:`medseg.distributed.sync.common`).
+        weights: the groups' unnormalised c_h, one per group (default: equal).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        channel: Channel,
+        period: int,
+        staleness: int,
+        dc_lambda: float,
+        compression: str,
+        bits: int,
+        on_event: Callable[[dict[str, Any]], None] | None = None,
+        exchange: bool | None = None,
+        local_norm: bool = False,
+        weights: list[float] | None = None,
+    ) -> None:
+        super().__init__(optimizer, model, local_norm)
+        self.channel = channel
+        # In-site links are fast: the per-step average stays exact; compression is for the WAN rounds.
+        self.average = GroupAverage(model, channel, "none", bits)
+        self.group_size, self.period, self.bound, self.dc_lambda = (
+            len(channel.group),
+            period,
+            staleness,
+            dc_lambda,
+        )
+        self.leader = channel.is_leader
+        self.n_groups = len(channel.groups)
+        # c_h: each group's share of a round's samples (equal when not given)
+        raw = list(weights) if weights is not None else [1.0] * self.n_groups
+        if len(raw) != self.n_groups or min(raw) <= 0:
+            raise ValueError(f"weights {raw} must be positive, one per group ({self.n_groups})")
+        self.weights = [float(x) / sum(raw) for x in raw]
+        self.own_weight = self.weights[channel.groups.index(channel.group)]
+        # With one group there is nobody to exchange with; ``exchange=True`` runs the machinery anyway (tests).
+        self.single_group = not (self.n_groups > 1 if exchange is None else exchange)
+        self.on_event = on_event or (lambda record: None)
+        self.local_steps = 0
+        self.rounds = 0  # rounds submitted by this group
+        self.anchor = flat(self.params).clone()
+        self.pending: collections.deque[_Round] = collections.deque()
+        self.coded = ErrorFeedback(bits) if compression == "fixed" else None
+        self.bits = bits
+        self.layer_sizes = [p.numel() for p in self.params]
+        self.block = sum(encoded_nbytes(n, bits) for n in self.layer_sizes)
+
+    # -- per step -------------------------------------------------------------------------------
+    def step(self) -> None:
+        self.stats.inflight = self.leader and any(not e.work.is_completed() for e in self.pending)
+        tic = time.perf_counter()
+        self.stats.bytes_sent += self.average()
+        self.stats.step_site_s = time.perf_counter() - tic
+        self.stats.site_s += self.stats.step_site_s
+        self.stats.step_wan_s = 0.0
+        self.optimizer.step()
+        self.stats.steps += 1
+        self.local_steps += 1
+        if self.single_group or self.local_steps % self.period:
+            return
+        self._submit()
+        self._apply_due(final=False)
+
+    def _submit(self) -> None:
+        w = flat(self.params)
+        own = w - self.anchor
+        k = self.rounds
+        work, buf = None, None
+        if self.leader:
+            self.on_event({"ev": "submit", "round": k, "t": time.time()})  # before the op can complete
+        if self.coded is None:
+            if self.leader:
+                buf = own * self.own_weight
+                work = self.channel.leaders_pg.allreduce_(buf, async_op=True, kind="model-change")
+                self._count_leaders(ring_allreduce_bytes(self.numel, 4, self.n_groups))
+        else:
+            codes, own = self.coded.compress_chunks("delta", own, self.layer_sizes)
+            if self.leader:
+                mine = torch.cat(codes)
+                buf = [torch.empty_like(mine) for _ in range(self.n_groups)]
+                work = self.channel.leaders_pg.allgather(buf, mine, async_op=True, kind="model-change")
+                self._count_leaders((self.n_groups - 1) * self.block)  # ring allgather
+        self.pending.append(_Round(k, work, buf, own, w.clone() if self.dc_lambda else None))
+        self.events.append(("submit", k, self.stats.steps))
+        self.anchor = w.clone()
+        self.rounds += 1
+
+    def _count_leaders(self, nbytes: float) -> None:
+        self.stats.bytes_sent += int(nbytes)
+        self.stats.wan_bytes += int(nbytes)
+
+    def _apply_due(self, final: bool) -> None:
+        """Apply the rounds the leader finds complete, and every forced one (all of them if ``final``)."""
+        k = self.rounds - 1
+        forced = len(self.pending) if final else sum(1 for e in self.pending if e.r <= k - self.bound)
+        n = forced
+        if self.leader and not final:
+            ready = 0
+            for e in self.pending:
+                if not e.work.is_completed():
+                    break
+                ready += 1
+            n = max(ready, forced)
+        if self.group_size > 1 and not final:
+            box = torch.tensor([n], dtype=torch.int64)
+            self.channel.group_broadcast(box)
+            n = int(box.item())
+        tic = time.perf_counter()
+        for _ in range(n):
+            self._apply(self.pending.popleft(), k)
+        waited = time.perf_counter() - tic
+        self.stats.step_wan_s += waited
+        self.stats.wan_wait_s += waited
+        if self.leader:
+            self.on_event(
+                {"ev": "start", "round": self.rounds, "t": time.time(), "pending": len(self.pending)}
+            )
+
+    def _received(self, e: _Round) -> torch.Tensor:
+        """S(r) = Σ_h c_h Δ_h(r): the leader waits for it, then its group receives it in-site."""
+        if self.coded is None:
+            total = e.buf if self.leader else torch.empty(self.numel)
+            if self.leader:
+                e.work.wait()
+            self.channel.group_broadcast(total)
+            return total
+        gathered = (
+            torch.cat(e.buf) if self.leader else torch.empty(self.n_groups * self.block, dtype=torch.uint8)
+        )
+        if self.leader:
+            e.work.wait()
+            gathered = torch.cat(e.buf)
+        self.channel.group_broadcast(gathered)
+        total = torch.zeros(self.numel)
+        for h, start in enumerate(range(0, gathered.numel(), self.block)):
+            total += self.weights[h] * decode_layers(
+                gathered[start : start + self.block], self.layer_sizes, self.bits
+            )
+        return total
+
+    def _apply(self, e: _Round, boundary: int) -> None:
+        mean = self._received(e)
+        tau = self.rounds - 1 - e.r
+        if self.dc_lambda and e.w_then is not None:
+            lr = float(self.base.param_groups[0]["lr"])
+            others = mean - self.own_weight * e.own  # what the other groups contributed
+            mean = self.own_weight * e.own + dc_compensate(
+                others, flat(self.params), e.w_then, self.dc_lambda, lr
+            )
+        update = (mean - e.own) / max(tau, 1)
+        assign(self.params, flat(self.params) + update)
+        self.anchor += update
+        self.stats.staleness.append(tau)
+        self.stats.last_staleness = tau
+        self.events.append(("apply", boundary, e.r, tau))
+
+    def end_epoch(self) -> None:
+        self.local_steps = 0  # an epoch holds whole rounds; the period may change for the next one
+        if self.single_group:
+            if self.group_size > 1:
+                average_model(self.channel, self.buffers + self.local_buffers, self.stats)
+            return
+        self._apply_due(final=True)
+        average_model(self.channel, self.params + self.buffers, self.stats)
+        site_average(self.channel, self.local_buffers)
+        self.events.append(("average", self.rounds - 1))
+        self.anchor = flat(self.params).clone()
+
+    def sync_state(self) -> dict[str, Any]:
+        # Groups step their own optimizers: each rank's moments differ from rank 0's, so they travel too.
+        state: dict[str, Any] = {"rounds": self.rounds, "optimizer": self.base.state_dict()}
+        if self.local:
+            state["local"] = {k: v.detach().clone() for k, v in self.local.items()}
+        if self.coded is not None:
+            state["delta"] = self.coded.state_dict()
+        if self.average.fixed is not None:
+            state["grad"] = self.average.fixed.state_dict()
+        return state
+
+    def load_sync_state(self, state: dict[str, Any]) -> None:
+        self.rounds = int(state.get("rounds", 0))
+        load_local(self.local, state)
+        if state.get("optimizer"):
+            self.base.load_state_dict(state["optimizer"])
+        if self.coded is not None and state.get("delta"):
+            self.coded.load_state_dict(state["delta"])
+        if self.average.fixed is not None and state.get("grad"):
+            self.average.fixed.load_state_dict(state["grad"])
+        self.anchor = flat(self.params).clone()

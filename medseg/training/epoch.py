@@ -1,0 +1,87 @@
+"""One epoch's work on a rank: the training steps, then validation and the pooling of site metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from medseg.training.run import Run
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """Drop MetaTensor bookkeeping for the network's forward and backward (it costs time, not accuracy)."""
+    return x.as_tensor() if hasattr(x, "as_tensor") else x
+
+
+def _step(run: Run, batch: dict[str, Any], epoch: int, step: int) -> float:
+    """One optimizer step on ``batch`` (its gradients synchronised by the session's optimizer); the loss."""
+    session, device, amp = run.session, run.device, run.amp
+    inputs, targets = _plain(batch["image"].to(device)), _plain(run.task.targets(batch, device))
+    run.optimizer.zero_grad(set_to_none=True)
+    with session.compute():
+        with torch.autocast(device.type, dtype=amp.dtype, enabled=amp.enabled):
+            loss = run.task.step_loss(run.model, inputs, targets)
+        amp.scaler.scale(loss).backward()
+    if amp.scaler.is_enabled():
+        amp.scaler.step(run.optimizer)
+        amp.scaler.update()
+    else:
+        run.optimizer.step()
+    session.after_step(epoch, step, int(inputs.shape[0]))
+    return loss.item()
+
+
+def train_steps(run: Run, epoch: int) -> dict[str, Any]:
+    """Train one pass over this rank's share of the cases; the epoch's record so far.
+
+    The record holds the mean training loss, the learning rate after the scheduler's step and the
+    epoch's wall seconds.
+    """
+    cfg = run.cfg
+    run.model.train()
+    tic, losses = time.perf_counter(), []
+    bar = tqdm(
+        run.data.train_loader,
+        desc=f"{cfg.name} epoch {epoch}/{cfg.train.epochs}",
+        leave=False,
+        disable=not run.progress,
+    )
+    for step, batch in enumerate(bar):
+        losses.append(_step(run, batch, epoch, step))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    if run.scheduler is not None:
+        run.scheduler.step()
+    return {
+        "epoch": epoch,
+        "train_loss": sum(losses) / len(losses),
+        "lr": run.base_optimizer.param_groups[0]["lr"],
+        "epoch_s": round(time.perf_counter() - tic, 3),
+    }
+
+
+def validate(run: Run, epoch: int) -> dict[str, Any]:
+    """The epoch's validation scores when validation is due (every ``train.val_interval`` and the last epoch).
+
+    Ranks that validate score their validation cases. With sites, each site's leader scored its own
+    held-out cases; only the scores travel, to rank 0, which pools them (each metric's mean over sites
+    weighted by their validation cases) and keeps each site's own under ``sites``. Empty when nothing
+    was scored here.
+    """
+    cfg, session, data = run.cfg, run.session, run.data
+    due = epoch % cfg.train.val_interval == 0 or epoch == cfg.train.epochs
+    scores: dict[str, Any] = {}
+    if session.validates and data.val_loader is not None and due:
+        session.phase("validate")
+        run.model.eval()
+        scores = run.task.validate(run.model, data.val_loader, run.device)
+    if cfg.sites and due:
+        session.phase("wait")
+        per_site = session.gather_site_metrics({**scores, "val_cases": len(data.val_items)})
+        if per_site is not None:
+            from medseg.distributed.site_data import pool_metrics
+
+            scores = {**pool_metrics(per_site), "sites": per_site}
+    return scores
