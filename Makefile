@@ -70,12 +70,16 @@ browser:
 	  ($(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver)
 
 # Debian's sshd, iproute2 (ip, tc) and util-linux (unshare, nsenter) for the emulated hospital
-# network (`medseg sites`, tests/testbed/test_sites.py); installed only when missing.
+# network (`medseg sites`, tests/testbed/test_sites.py); wireguard-go and wireguard-tools (wg) for
+# the encrypted site link (`medseg sites up --secure`, tests/secure/), tcpdump for its capture test.
+# Installed only when missing; without recommends (wireguard-tools would pull the kernel module's
+# package, which this kernel cannot load: wireguard-go runs in user space over TUN instead).
 sites-deps:
 	test -x /usr/sbin/sshd && command -v ssh >/dev/null && command -v ip >/dev/null && command -v tc >/dev/null && \
-	  command -v unshare >/dev/null && command -v nsenter >/dev/null || \
-	  ($(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
-	    openssh-server openssh-client iproute2 util-linux)
+	  command -v unshare >/dev/null && command -v nsenter >/dev/null && command -v wireguard-go >/dev/null && \
+	  command -v wg >/dev/null && command -v tcpdump >/dev/null || \
+	  ($(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends \
+	    openssh-server openssh-client iproute2 util-linux wireguard-go wireguard-tools tcpdump)
 
 # Debian's dcm2niix, the independent DICOM -> NIfTI converter that tests/datasets/test_dicom_multiframe.py
 # checks medseg's DICOM geometry against; installed only when missing.

@@ -36,7 +36,13 @@ def main() -> None:
     for net in args.nets:
         t0 = time.monotonic()
         pl = plan(
-            args.dataset, memory_gb=BUDGET_GB[net], device="cpu", net=net, time_s=0, name=f"bench-{net}"
+            args.dataset,
+            memory_gb=BUDGET_GB[net],
+            device="cpu",
+            net=net,
+            time_s=0,
+            name=f"bench-{net}",
+            report=print,
         )
         v = verify(pl)
         v["plan_s"] = round(time.monotonic() - t0, 1)
@@ -50,7 +56,13 @@ def main() -> None:
         res = {}
         for fused in (False, True):
             pl = plan(
-                args.dataset, memory_gb=args.fused_budget_gb, device="cpu", net="unet", time_s=0, fused=fused
+                args.dataset,
+                memory_gb=args.fused_budget_gb,
+                device="cpu",
+                net="unet",
+                time_s=0,
+                fused=fused,
+                report=print,
             )
             v = verify(pl)
             res["fused" if fused else "baseline"] = {

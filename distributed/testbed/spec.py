@@ -3,7 +3,9 @@ and addresses every part of the testbed uses.
 
 Every address is in 198.18.0.0/15, the range reserved for network benchmarks (RFC 2544): the
 launcher is 198.18.0.1, site ``i`` (counted from 1) is 198.18.<i>.1 behind the router's
-198.18.<i>.254. Every name starts with ``msite`` (``medseg-sites`` for the cgroup and
+198.18.<i>.254. A secure testbed adds the site link (a WireGuard tunnel, interface ``msitewg``,
+UDP port 51820): site ``i`` is 198.19.255.<i> inside it and the launcher 198.19.255.254, and
+jobs use those addresses (:attr:`Site.job_ip`). Every name starts with ``msite`` (``medseg-sites`` for the cgroup and
 ``/run/medseg-sites`` for keys, configs and the state file), so a sweep by prefix finds all of it.
 """
 
@@ -28,6 +30,13 @@ LAUNCHER_IP = "198.18.0.1"
 STATE_DIR = Path("/run/medseg-sites")
 CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
 CGROUP_NAME = "medseg-sites"
+# The site link of a secure testbed (medseg.distributed.secure.tunnel): one interface name in every
+# member (horovodrun's --network-interfaces names one interface for all hosts), a tunnel subnet
+# apart from the sites' 198.18.<i>.0/24, and the one UDP port a site opens to the WAN.
+WG_IFACE = "msitewg"
+WG_PORT = 51820
+TUNNEL_NET = ipaddress.ip_network("198.19.255.0/24")
+LAUNCHER_TUNNEL_IP = "198.19.255.254"
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 
 
@@ -168,12 +177,27 @@ def parse_cpu(spec: str | dict[str, float] | None, sites: dict[str, int]) -> dic
 
 @dataclass(frozen=True)
 class Site:
-    """One emulated hospital: a namespace ``msite-<name>`` with address 198.18.<index>.1."""
+    """One emulated hospital: a namespace ``msite-<name>`` with address 198.18.<index>.1 (``ip``, its
+    WAN address) and, in a secure testbed, 198.19.255.<index> in the site link (``tunnel_ip``)."""
 
     name: str
     index: int
     ranks: int
     cores_per_rank: float | None
+    secure: bool = False
+
+    @property
+    def tunnel_ip(self) -> str:
+        return str(TUNNEL_NET.network_address + self.index)
+
+    @property
+    def job_ip(self) -> str:
+        """The address jobs use (``--hosts``, /etc/hosts, sshd): the tunnel's when secure, else ``ip``."""
+        return self.tunnel_ip if self.secure else self.ip
+
+    @property
+    def wg_endpoint(self) -> str:
+        return f"{self.ip}:{WG_PORT}"
 
     @property
     def netns(self) -> str:

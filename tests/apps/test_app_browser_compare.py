@@ -34,9 +34,9 @@ from medseg.datasets.decathlon import load_dataset
 from medseg.inference.io import load_image
 from medseg.inference.predict import predict
 from tests.apps import test_app_browser as app_browser
-from tests.browser import RESULT_TIMEOUT, Viewport, serve_app
 from tests.apps.test_app_browser import body_text, click_button
 from tests.apps.test_app_review import second_run  # noqa: F401 - the second model (fixture)
+from tests.browser import RESULT_TIMEOUT, Viewport, serve_app
 
 browser = app_browser.browser  # the chromium fixture
 

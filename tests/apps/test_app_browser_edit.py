@@ -36,8 +36,8 @@ from medseg.datasets.decathlon import load_dataset
 from medseg.inference.io import load_image
 from medseg.inference.predict import predict
 from tests.apps import test_app_browser as app_browser
-from tests.browser import RESULT_TIMEOUT, Viewport
 from tests.apps.test_app_browser import anonymised_series, body_text, click_button, downloaded
+from tests.browser import RESULT_TIMEOUT, Viewport
 
 server, browser = app_browser.server, app_browser.browser  # the fixtures: medseg app, chromium
 

@@ -18,8 +18,8 @@ from medseg.datasets.decathlon import load_dataset
 from medseg.inference.io import load_image
 from medseg.inference.predict import predict
 from medseg.training.loop import train
-from tests.conftest import tiny_seg_config
 from tests.apps.test_app import errors, new_app, page_text, run_model, upload_files
+from tests.conftest import tiny_seg_config
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,7 @@ def test_time_target_fails_just_above_it():
 @pytest.mark.parametrize(
     "fused,checkpoint,loses",
     [
-        ((0.63, 1.16), (0.55, 1.20), "peak"),  # faster but higher: the old time-only check passed this
+        ((0.63, 1.16), (0.55, 1.20), "peak"),  # faster but higher: a check on time alone would pass this
         ((0.50, 1.30), (0.70, 1.20), "time"),
         ((0.70, 1.30), (0.60, 1.20), "time and peak"),
     ],

@@ -1,7 +1,7 @@
 """Inference that scales: labels equal to the reference path, memory checked before starting.
 
 The reference path (C probability maps inverted by ``Invertd``, argmax after; the benchmark's
-``old`` variant) is ``medseg.bench.infer.predict_reference``; :func:`medseg.inference.predict.predict`
+``old`` variant) is ``medseg.bench.infer_reference.predict_reference``; :func:`medseg.inference.predict.predict`
 must give the same labels on every voxel, for 3 and 14 classes, for inputs that the model grid down- or up-samples, that are
 stored flipped, permuted or oblique. Its parts are checked on their own: the slabbed sliding window
 against MONAI's ``sliding_window_inference`` (``torch.equal``), the streamed inversion against the
@@ -21,7 +21,8 @@ import torch
 from monai.data import MetaTensor
 
 from medseg import sysinfo
-from medseg.bench.infer import compare_labels, make_bundle, predict_reference, synthetic_ct
+from medseg.bench.infer_cases import make_bundle, synthetic_ct
+from medseg.bench.infer_reference import compare_labels, predict_reference
 from medseg.bundle.load import load_bundle
 from medseg.errors import DataError
 from medseg.inference import memory
@@ -225,7 +226,7 @@ def test_memory_check_names_the_numbers(bundles, monkeypatch: pytest.MonkeyPatch
 
 def test_estimate_grows_with_model_voxels_not_input_voxels(bundles) -> None:
     """Predicted peak for 512x512x300 (only the header is made): what classes add is model-grid only."""
-    from medseg.bench.infer import old_peak_bytes
+    from medseg.bench.infer_reference import old_peak_bytes
 
     big = MetaTensor(
         torch.empty(1, 1, 1, 1).expand(1, 512, 512, 300),
@@ -260,7 +261,8 @@ def test_bench_infer_quick_smoke(tmp_path: Path) -> None:
 
 def test_label_target_fails_beyond_near_ties() -> None:
     """The label target accepts differing voxels only at near-ties of old's probabilities."""
-    from medseg.bench.infer import TIE_TOLERANCE, check_targets, top2_margin
+    from medseg.bench.infer import check_targets
+    from medseg.bench.infer_reference import TIE_TOLERANCE, top2_margin
 
     a = np.zeros((6, 5, 4), np.uint8)
     probs = torch.zeros(3, 6, 5, 4)

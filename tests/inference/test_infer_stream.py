@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from medseg.bench.infer import make_bundle, synthetic_ct
+from medseg.bench.infer_cases import make_bundle, synthetic_ct
 from medseg.bundle.load import load_bundle
 from medseg.errors import DataError
 from medseg.inference import io as inference_io

@@ -419,9 +419,9 @@ def test_largest_patch_prediction():
 
 def test_measure_process_reports_the_json_schema():
     """One fresh process per variant, as `medseg bench memory` runs them (small UNet, 32³)."""
-    from medseg.bench.memory import _run_variant
+    from medseg.bench.memory import run_variant
 
-    runs = {v: _run_variant("unet", v, 32, 2, 2, "cpu", 300, 0.5) for v in ("baseline", "fused")}
+    runs = {v: run_variant("unet", v, 32, 2, 2, "cpu", 300, 0.5) for v in ("baseline", "fused")}
     for r in runs.values():
         assert {"saved_bytes", "peak_bytes", "step_s"} <= set(r), r
         assert r["peak_bytes"] > 0 and r["step_s"] > 0
