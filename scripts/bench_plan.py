@@ -7,7 +7,7 @@ binds, no time limit), i.e. the memory model measured at two probe patches for e
 the search meets (``probe_runs`` processes), the patch fitted to the budget, and two training steps
 measured at that patch. Then UNet planned with and without ``--fused``
 at the same budget: the ratio of the planned patch volumes. Each measurement runs in its own process
-(medseg.bench.measure); the numbers depend on the CPU's instruction set, not on the machine's load.
+(medseg.kernels.measure); the numbers depend on the CPU's instruction set, not on the machine's load.
 """
 
 from __future__ import annotations

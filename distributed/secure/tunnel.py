@@ -129,9 +129,7 @@ def write_secret(path: Path, text: str) -> None:
 def _wg(args: Sequence[str], stdin: str | None = None, prefix: Sequence[str] = ()) -> str:
     """Run ``wg args`` (inside ``prefix``); its stdout. Errors never echo ``stdin`` (it may be a key)."""
     try:
-        proc = subprocess.run(
-            [*prefix, "wg", *args], input=stdin, capture_output=True, text=True, timeout=20
-        )
+        proc = subprocess.run([*prefix, "wg", *args], input=stdin, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise TunnelError(f"`wg {args[0]}` did not run: {exc}") from None
     if proc.returncode != 0:
@@ -330,7 +328,18 @@ class Tunnel:
     def _argv(self) -> list[str]:
         argv = ["ip", "netns", "exec", self.netns] if self.netns else []
         if self.private_socket:
-            return argv + ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _START, "sh", self.iface]
+            return argv + [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                "sh",
+                "-c",
+                _START,
+                "sh",
+                self.iface,
+            ]
         return argv + ["wireguard-go", "-f", self.iface]
 
     def start(self, timeout: float = 15.0) -> int:
@@ -347,8 +356,12 @@ class Tunnel:
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(
-                self._argv(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, env=env,
+                self._argv(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
             )
         finally:
             if self.log_path:
@@ -361,8 +374,13 @@ class Tunnel:
         except BaseException:
             self.stop()
             raise
-        log.info("site link: %s up at %s%s (process %d)", self.iface, self.address,
-                 f" in {self.netns}" if self.netns else "", self.proc.pid)
+        log.info(
+            "site link: %s up at %s%s (process %d)",
+            self.iface,
+            self.address,
+            f" in {self.netns}" if self.netns else "",
+            self.proc.pid,
+        )
         return self.proc.pid
 
     def _wait_ready(self, timeout: float) -> None:

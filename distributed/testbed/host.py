@@ -20,8 +20,9 @@ log = logging.getLogger(__name__)
 SSHD = "/usr/sbin/sshd"
 
 
-def check_host(cpu: bool = False) -> None:
-    """Raise SitesError unless this process can build a testbed: root, iproute2, util-linux, sshd, TUN."""
+def check_host(cpu: bool = False, secure: bool = False) -> None:
+    """Raise SitesError unless this process can build a testbed: root, iproute2, util-linux, sshd, TUN
+    (and, for a ``secure`` one, wireguard-go and wg)."""
     if sys.platform != "linux":
         raise SitesError("the sites testbed needs Linux network namespaces")
     if os.geteuid() != 0:
@@ -31,10 +32,13 @@ def check_host(cpu: bool = False) -> None:
     missing = [t for t in ("ip", "tc", "unshare", "nsenter", "ssh", "ssh-keygen") if not shutil.which(t)]
     if not os.path.exists(SSHD):
         missing.append(SSHD)
+    if secure:
+        missing += [t for t in ("wireguard-go", "wg") if not shutil.which(t)]
     if missing:
         raise SitesError(
             f"the sites testbed needs {', '.join(missing)}: run `make sites-deps` "
-            "(apt-get install openssh-server openssh-client iproute2 util-linux)"
+            "(apt-get install openssh-server openssh-client iproute2 util-linux"
+            + (" wireguard-go wireguard-tools)" if secure else ")")
         )
     if not os.path.exists("/dev/net/tun"):
         raise SitesError("/dev/net/tun is missing: the WAN relay needs TUN devices")

@@ -21,14 +21,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from medseg.distributed.testbed.host import run, start_daemon
 from medseg.distributed.testbed.spec import (
     IFACE,
     LAUNCHER_DEV,
     LAUNCHER_IP,
+    LAUNCHER_TUNNEL_IP,
     NETWORK,
     PREFIX,
     ROUTER_NS,
@@ -44,6 +46,7 @@ from medseg.distributed.testbed.spec import (
 RELAY = Path(__file__).with_name("relay.py")
 RELAY_STATS = STATE_DIR / "relay-stats.json"
 RELAY_LOG = STATE_DIR / "relay.log"
+T = TypeVar("T")
 
 
 def in_netns(netns: str, *argv: str) -> list[str]:
@@ -144,8 +147,11 @@ def make_site(site: Site, sites: Sequence[Site], wan: WanSpec) -> None:
         _tbf(r, dev, wan)
     etc = Path("/etc/netns") / ns
     etc.mkdir(parents=True, exist_ok=True)
-    lines = ["127.0.0.1\tlocalhost", f"{LAUNCHER_IP}\tmsite-launcher"]
-    lines += [f"{s.ip}\t{s.hostname}" for s in sites]
+    # The names jobs use: the tunnel addresses in a secure testbed (Horovod's Gloo contexts take
+    # their address from the hostname, so it must resolve to the address Gloo binds).
+    launcher = LAUNCHER_TUNNEL_IP if site.secure else LAUNCHER_IP
+    lines = ["127.0.0.1\tlocalhost", f"{launcher}\tmsite-launcher"]
+    lines += [f"{s.job_ip}\t{s.hostname}" for s in sites]
     (etc / "hosts").write_text("\n".join(lines) + "\n")
 
 
@@ -177,12 +183,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNET = 0x40000000
 
 
-def socket_in(netns: str, kind: int = socket.SOCK_STREAM) -> socket.socket:
-    """A socket created inside network namespace ``netns`` (used from this process as any socket).
-
-    A short-lived thread enters the namespace (setns acts per thread) and creates the socket there;
-    the rest of this process never changes namespace.
-    """
+def call_in(netns: str, fn: Callable[[], T]) -> T:
+    """``fn()`` run in a short-lived thread that has entered network namespace ``netns`` (setns acts
+    per thread): every socket it makes belongs to that namespace; the rest of this process never
+    changes namespace. Its exception is raised here (SitesError when the namespace cannot be entered)."""
     out: dict[str, object] = {}
 
     def work() -> None:
@@ -191,16 +195,25 @@ def socket_in(netns: str, kind: int = socket.SOCK_STREAM) -> socket.socket:
             try:
                 if _libc.setns(fd, _CLONE_NEWNET) != 0:
                     err = ctypes.get_errno()
-                    raise OSError(err, f"setns({netns}): {os.strerror(err)}")
+                    raise SitesError(f"cannot enter namespace {netns}: {os.strerror(err)}")
             finally:
                 os.close(fd)
-            out["sock"] = socket.socket(socket.AF_INET, kind)
-        except Exception as exc:  # handed to the caller
+            out["value"] = fn()
+        except BaseException as exc:  # handed to the caller
             out["error"] = exc
 
     t = threading.Thread(target=work, name=f"setns-{netns}")
     t.start()
     t.join()
     if "error" in out:
-        raise SitesError(f"cannot open a socket in namespace {netns}: {out['error']}")
-    return out["sock"]  # type: ignore[return-value]
+        raise out["error"]  # type: ignore[misc]
+    return out["value"]  # type: ignore[return-value]
+
+
+def socket_in(netns: str, kind: int = socket.SOCK_STREAM) -> socket.socket:
+    """A socket created inside network namespace ``netns`` (used from this process as any socket),
+    made by :func:`call_in`."""
+    try:
+        return call_in(netns, lambda: socket.socket(socket.AF_INET, kind))
+    except OSError as exc:
+        raise SitesError(f"cannot open a socket in namespace {netns}: {exc}") from None

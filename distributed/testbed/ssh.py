@@ -26,8 +26,8 @@ RUN_SSHD = Path("/run/sshd")  # sshd's privilege-separation folder
 
 
 def _client_config(sites: Sequence[Site]) -> str:
-    hosts = " ".join(s.ip for s in sites)
-    aliases = "".join(f"Host {s.hostname}\n    HostName {s.ip}\n" for s in sites)
+    hosts = " ".join(s.job_ip for s in sites)
+    aliases = "".join(f"Host {s.hostname}\n    HostName {s.job_ip}\n" for s in sites)
     return (
         aliases
         + f"Host {hosts} {' '.join(s.hostname for s in sites)}\n"
@@ -64,7 +64,7 @@ def make_client(sites: Sequence[Site]) -> bool:
 
 def _sshd_config(site: Site, host_key: Path) -> str:
     return (
-        f"ListenAddress {site.ip}\n"
+        f"ListenAddress {site.job_ip}\n"  # the tunnel address in a secure testbed: never the WAN
         "Port 22\n"
         f"HostKey {host_key}\n"
         f"PidFile {site.dir / 'sshd.pid'}\n"
@@ -114,7 +114,7 @@ def wait_sshd(site: Site, pid: int, timeout: float = 20.0) -> None:
         if not alive(pid):
             raise SitesError(f"sshd of {site.hostname} exited: see {site.dir / 'sshd.log'}")
         proc = subprocess.run(
-            [str(BIN_DIR / "ssh"), "-o", "ConnectTimeout=2", site.ip, "hostname"],
+            [str(BIN_DIR / "ssh"), "-o", "ConnectTimeout=2", site.job_ip, "hostname"],
             capture_output=True,
             text=True,
             timeout=15,
@@ -123,4 +123,4 @@ def wait_sshd(site: Site, pid: int, timeout: float = 20.0) -> None:
             return
         last = (proc.stderr or proc.stdout).strip()
         time.sleep(0.2)
-    raise SitesError(f"sshd of {site.hostname} ({site.ip}) did not answer in {timeout:g} s: {last}")
+    raise SitesError(f"sshd of {site.hostname} ({site.job_ip}) did not answer in {timeout:g} s: {last}")

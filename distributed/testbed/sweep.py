@@ -8,11 +8,13 @@ import re
 import shutil
 from pathlib import Path
 
+from medseg.distributed.secure.tunnel import SOCKET_DIR, is_tunnel_process, stop_process
 from medseg.distributed.testbed.cgroups import BASE as CGROUP_BASE
 from medseg.distributed.testbed.cgroups import cgroup_pids, remove_cgroups
 from medseg.distributed.testbed.host import alive, cmdline, kill_all, run
+from medseg.distributed.testbed.link import KEY_DIR
 from medseg.distributed.testbed.netns import RELAY, netns_pids, our_namespaces
-from medseg.distributed.testbed.spec import IFACE, PREFIX, STATE_DIR
+from medseg.distributed.testbed.spec import IFACE, PREFIX, STATE_DIR, WG_IFACE
 from medseg.distributed.testbed.ssh import RUN_SSHD
 from medseg.distributed.testbed.state import STATE_FILE, lock, read_state
 
@@ -32,6 +34,22 @@ def _end_processes(namespaces: list[str], state: dict | None) -> list[str]:
         return []
     kill_all(pids)
     return [f"processes {sorted(pids)}"]
+
+
+def _tunnel_pids() -> set[int]:
+    """Every ``wireguard-go -f msitewg`` process on the machine, in any namespace (the site link's
+    tunnels: the launcher's lives in the root namespace, outside every site namespace and cgroup)."""
+    return {
+        int(d.name)
+        for d in Path("/proc").iterdir()
+        if d.name.isdigit() and is_tunnel_process(int(d.name), WG_IFACE)
+    }
+
+
+def _end_tunnels() -> list[str]:
+    """End the site link's tunnel processes (their TUN devices go with them)."""
+    pids = sorted(p for p in _tunnel_pids() if stop_process(p, WG_IFACE))
+    return [f"tunnel processes {pids}"] if pids else []
 
 
 def _remove_etc_netns() -> list[str]:
@@ -54,13 +72,15 @@ def sweep() -> list[str]:
     """
     namespaces = our_namespaces()
     state = read_state()
-    removed = _end_processes(namespaces, state)
+    removed = _end_tunnels()
+    removed += _end_processes(namespaces, state)
     for netns in namespaces:
         run(["ip", "netns", "del", netns], check=False)
         removed.append(f"netns {netns}")
-    if run(["ip", "link", "show", IFACE], check=False).returncode == 0:
-        run(["ip", "link", "del", IFACE], check=False)
-        removed.append(f"link {IFACE}")
+    for dev in (IFACE, WG_IFACE):
+        if run(["ip", "link", "show", dev], check=False).returncode == 0:
+            run(["ip", "link", "del", dev], check=False)
+            removed.append(f"link {dev}")
     removed += _remove_etc_netns()
     removed += remove_cgroups()
     if STATE_DIR.is_dir():
@@ -70,6 +90,9 @@ def sweep() -> list[str]:
     if state and state.get("made_run_sshd"):
         with contextlib.suppress(OSError):
             RUN_SSHD.rmdir()
+    if state and state.get("made_run_wireguard"):
+        with contextlib.suppress(OSError):
+            SOCKET_DIR.rmdir()  # only when empty: each tunnel's socket lived in its own tmpfs
     return removed
 
 
@@ -91,8 +114,10 @@ def leftovers() -> list[str]:
     for pid_dir in Path("/proc").iterdir():
         if pid_dir.name.isdigit():
             cmd = cmdline(int(pid_dir.name))
-            if str(STATE_DIR) in cmd or str(RELAY) in cmd:
+            if str(STATE_DIR) in cmd or str(RELAY) in cmd or is_tunnel_process(int(pid_dir.name), WG_IFACE):
                 found.append(f"process {pid_dir.name}: {cmd[:100]}")
     if STATE_FILE.exists():
         found.append(str(STATE_FILE))
+    if KEY_DIR.exists():
+        found.append(f"keys {KEY_DIR}")
     return found

@@ -42,6 +42,14 @@ Compute: one cgroup per site under cgroup v1 ``cpu`` (``/sys/fs/cgroup/cpu/medse
 with quota = ranks x cores-per-rank and a high ``cpu.shares``; the site's sshd, hence every rank it
 starts, lives in it.
 
+Secure (``Testbed.up(..., secure=True)``, ``medseg sites up --secure``): the site link of
+:mod:`.link` (a WireGuard tunnel, :mod:`medseg.distributed.secure.tunnel`) runs in every site and in
+the launcher, and everything a job uses names the tunnel: ``--hosts`` (:meth:`Testbed.hosts_arg`),
+the sites' /etc/hosts, sshd's ``ListenAddress``, the common interface ``msitewg`` in
+``--network-interfaces``/``HOROVOD_GLOO_IFACE`` and the launcher's ``MEDSEG_BEAT_HOST``. So ssh,
+Horovod, Gloo and heartbeats ride the tunnel, and a site's WAN address answers only on the tunnel's
+UDP port 51820 (sockets a job binds to 0.0.0.0 are the exception: see docs/design.md).
+
 Nothing here reaches the real network: sites route only 198.18.0.0/15, the router knows only its
 connected /24s, and the root namespace does not forward. Every name we make starts with ``msite``
 (``medseg-sites`` for the cgroup and ``/run/medseg-sites`` for keys, configs and the state file),
@@ -67,14 +75,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from medseg.distributed.testbed import cgroups, counters, netns, ssh
+from medseg.distributed.testbed import cgroups, counters, link, netns, ssh
 from medseg.distributed.testbed.host import alive, check_host, run
 from medseg.distributed.testbed.probe import probe_wan
 from medseg.distributed.testbed.spec import (
     IFACE,
     LAUNCHER_IP,
+    LAUNCHER_TUNNEL_IP,
     ROUTER_NS,
     STATE_DIR,
+    WG_IFACE,
     Site,
     SitesError,
     WanSpec,
@@ -99,6 +109,7 @@ class Testbed:
         self.state = state
         self.sites = [Site(**s) for s in state["sites"]]
         self.wan = WanSpec(**state["wan"])
+        self.secure = bool(state.get("secure"))
 
     @classmethod
     def up(
@@ -110,15 +121,19 @@ class Testbed:
         probe: bool = True,
         lifetime_s: float = 4 * 3600,
         owned: bool = True,
+        secure: bool = False,
     ) -> Testbed:
         """Build the testbed (cleaning up a crashed one first); with ``probe``, check its shaping.
+
+        ``secure``: bring up the site link (a WireGuard tunnel in every site and in the launcher) and
+        give jobs the tunnel addresses (see the module's docstring).
 
         ``owned``: the testbed belongs to this process; another ``up`` refuses to replace it while
         this process lives (the CLI's ``medseg sites up`` passes False: its testbed outlives it and
         the next ``up`` replaces it). ``lifetime_s`` bounds the relay (the WAN stops after it).
         Any failure, the probe's included, removes everything made so far and raises SitesError.
         """
-        state = _initial_state(sites, wan, cpu, lifetime_s=lifetime_s, owned=owned)
+        state = _initial_state(sites, wan, cpu, lifetime_s=lifetime_s, owned=owned, secure=secure)
         with lock():
             old = read_state()
             if old and old.get("owner_pid") and old["owner_pid"] != os.getpid() and alive(old["owner_pid"]):
@@ -178,6 +193,8 @@ class Testbed:
         if self.wan.needs_relay:
             self._start_relay()
         cgroups.make_cgroups(self.sites)
+        if self.secure:
+            self._start_tunnels()
         if ssh.make_client(self.sites):
             self.state["made_run_sshd"] = True
             self._save()
@@ -200,6 +217,20 @@ class Testbed:
         self._save()
         netns.wait_relay_attached(proc)
 
+    def _start_tunnels(self) -> None:
+        from medseg.distributed.secure.tunnel import prepare_socket_dir
+
+        if prepare_socket_dir():
+            self.state["made_run_wireguard"] = True
+            self._save()
+
+        def record(member: str, pid: int) -> None:
+            self.state["pids"]["wg"][member] = pid
+            self._save()
+
+        self.state["pids"].setdefault("wg", {})
+        link.start_tunnels(self.sites, record)
+
     def _start_sshd(self, site: Site) -> None:
         proc = ssh.start_sshd(site)
         self.state["pids"]["sshd"][site.name] = proc.pid
@@ -221,11 +252,27 @@ class Testbed:
         raise SitesError(f"no site {name!r} in this testbed (sites: {', '.join(s.name for s in self.sites)})")
 
     def site_ip(self, name: str) -> str:
+        """The address jobs use for a site: its tunnel address when secure, else its WAN address."""
+        return self.site(name).job_ip
+
+    def wan_ip(self, name: str) -> str:
+        """A site's address on the emulated WAN (198.18.<i>.1), secure or not."""
         return self.site(name).ip
 
+    @property
+    def iface(self) -> str:
+        """The interface every job names (launcher and sites alike): the tunnel's when secure."""
+        return WG_IFACE if self.secure else IFACE
+
+    @property
+    def launcher_ip(self) -> str:
+        """The launcher's address as the sites reach it: in the tunnel when secure."""
+        return LAUNCHER_TUNNEL_IP if self.secure else LAUNCHER_IP
+
     def hosts_arg(self) -> str:
-        """The ``--hosts`` value: ``198.18.1.1:2,198.18.2.1:2`` (site IPs, resolvable in the launcher)."""
-        return ",".join(f"{s.ip}:{s.ranks}" for s in self.sites)
+        """The ``--hosts`` value: ``198.18.1.1:2,198.18.2.1:2`` (site IPs, resolvable in the launcher;
+        the tunnel addresses 198.19.255.<i> when secure)."""
+        return ",".join(f"{s.job_ip}:{s.ranks}" for s in self.sites)
 
     def launcher_prefix(self) -> list[str]:
         """argv prefix for the launcher: empty, since the launcher runs in the root namespace."""
@@ -243,9 +290,9 @@ class Testbed:
         env["PATH"] = os.pathsep.join(
             [str(self.bin_dir), str(Path(sys.executable).parent), env.get("PATH", "")]
         )
-        env["MEDSEG_HOROVODRUN_ARGS"] = f"--network-interfaces {IFACE} --disable-cache"
-        env["MEDSEG_BEAT_HOST"] = LAUNCHER_IP
-        env["HOROVOD_GLOO_IFACE"] = IFACE
+        env["MEDSEG_HOROVODRUN_ARGS"] = f"--network-interfaces {self.iface} --disable-cache"
+        env["MEDSEG_BEAT_HOST"] = self.launcher_ip
+        env["HOROVOD_GLOO_IFACE"] = self.iface
         return env
 
     def site_prefix(self, name: str) -> list[str]:
@@ -288,13 +335,17 @@ class Testbed:
             {
                 "name": s.name,
                 "hostname": s.hostname,
-                "ip": s.ip,
+                "ip": s.job_ip,
+                "wan_ip": s.ip,
                 "netns": s.netns,
                 "ranks": s.ranks,
                 "cores_per_rank": s.cores_per_rank,
                 "cpu_quota_cores": cgroups.quota_cores(s),
                 "sshd_alive": alive(self.state["pids"]["sshd"].get(s.name)),
                 "link_up": "UP" in stats.get(s.router_dev, {}).get("flags", []),
+                "tunnel_alive": alive(self.state["pids"].get("wg", {}).get(s.hostname))
+                if self.secure
+                else None,
             }
             for s in self.sites
         ]
@@ -304,21 +355,31 @@ class Testbed:
             "owner_pid": self.state.get("owner_pid"),
             "wan": str(self.wan),
             "relay_alive": alive(relay) if relay else None,
-            "launcher_ip": LAUNCHER_IP,
+            "secure": self.secure,
+            "launcher_ip": self.launcher_ip,
             "hosts": self.hosts_arg(),
             "sites": sites,
         }
 
     def probe(
-        self, src: str | None = None, dst: str | None = None, check: bool = True, seconds: float = 3.0
+        self,
+        src: str | None = None,
+        dst: str | None = None,
+        check: bool = True,
+        seconds: float = 3.0,
+        tunnel: bool | None = None,
     ) -> dict:
         """Measure RTT and throughput between two sites (default the first two) against the spec
-        (:func:`~medseg.distributed.testbed.probe.probe_wan`); with ``check``, SitesError when off."""
+        (:func:`~medseg.distributed.testbed.probe.probe_wan`); with ``check``, SitesError when off.
+        ``tunnel``: through the site link (default: when secure, the path jobs take)."""
         if len(self.sites) < 2:
             raise SitesError("probe: the testbed has one site; the WAN needs two")
         a = self.site(src) if src else self.sites[0]
         b = self.site(dst) if dst else self.sites[1]
-        return probe_wan(self.wan, a, b, check=check, seconds=seconds)
+        tunnel = self.secure if tunnel is None else tunnel
+        if tunnel and not self.secure:
+            raise SitesError("probe: this testbed has no site link (bring it up with --secure)")
+        return probe_wan(self.wan, a, b, check=check, seconds=seconds, tunnel=tunnel)
 
 
 def _initial_state(
@@ -328,13 +389,14 @@ def _initial_state(
     *,
     lifetime_s: float,
     owned: bool,
+    secure: bool = False,
 ) -> dict:
     """The state of a testbed about to come up, from the specs (checked, as is the host)."""
     names = parse_sites(sites)
     wan_spec = parse_wan(wan)
     cores = parse_cpu(cpu, names)
-    check_host(cpu=bool(cores))
-    site_list = [Site(n, i + 1, r, cores.get(n)) for i, (n, r) in enumerate(names.items())]
+    check_host(cpu=bool(cores), secure=secure)
+    site_list = [Site(n, i + 1, r, cores.get(n), secure) for i, (n, r) in enumerate(names.items())]
     quota = sum(s.ranks * s.cores_per_rank for s in site_list if s.cores_per_rank)
     ncpu = os.cpu_count() or 1
     if quota and quota >= ncpu:
@@ -352,7 +414,8 @@ def _initial_state(
         "sites": [asdict(s) for s in site_list],
         "wan": asdict(wan_spec),
         "lifetime_s": lifetime_s,
-        "pids": {"sshd": {}},
+        "secure": secure,
+        "pids": {"sshd": {}, "wg": {}},
     }
 
 

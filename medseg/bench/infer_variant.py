@@ -19,7 +19,7 @@ import torch
 
 from medseg.bench.infer_cases import synthetic_ct
 from medseg.bench.infer_reference import predict_reference, top2_margin
-from medseg.bench.measure import malloc_trim, status_kb
+from medseg.kernels.measure import malloc_trim, status_kb
 
 #: Every variant; ``new-stream`` and ``new-fp16`` run one round per case.
 VARIANTS = ("old", "new", "new-stream", "new-fp16")

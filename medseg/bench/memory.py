@@ -6,7 +6,7 @@ a visible share of the peak. ``fused`` means fused norm+activation layers *and* 
 loss (``train.memory: fused``), into which the network's last convolution is fused where it can be
 (``head.py``: UNet and DynUNet, not SegResNet); the other variants train with MONAI's ``DiceCELoss``.
 
-Every (net, variant) pair is measured in its own process by :mod:`medseg.bench.measure` (a fresh
+Every (net, variant) pair is measured in its own process by :mod:`medseg.kernels.measure` (a fresh
 allocator is the only honest peak). Ratios are against ``baseline`` from the same run. The largest
 cubic patch within a memory budget is predicted from the measured peak (activation memory grows
 with the number of voxels) and, with ``verify``, confirmed by measuring each variant at that patch.
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from medseg.bench.measure import VARIANTS
+from medseg.kernels.measure import VARIANTS
 from medseg.bench.protocol import Benchmark, Target, at_most, figure, run_isolated, table_head, table_row
 
 log = logging.getLogger(__name__)
@@ -40,9 +40,9 @@ TARGET_TIME = 1.10  # fused step time / baseline step time
 def run_variant(
     case: str, variant: str, patch: int, batch: int, steps: int, device: str, timeout_s: float, width: float
 ) -> dict[str, Any]:
-    """One (case, variant) measured by :mod:`medseg.bench.measure` in its own process."""
+    """One (case, variant) measured by :mod:`medseg.kernels.measure` in its own process."""
     net, classes, case_width = CASES[case]
-    cmd = [sys.executable, "-m", "medseg.bench.measure", "--net", net, "--variant", variant]
+    cmd = [sys.executable, "-m", "medseg.kernels.measure", "--net", net, "--variant", variant]
     cmd += ["--patch", str(patch), "--batch", str(batch), "--steps", str(steps), "--device", device]
     cmd += ["--width", str(case_width or width), "--classes", str(classes)]
     return run_isolated(cmd, timeout_s, error_chars=200)

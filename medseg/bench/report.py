@@ -32,4 +32,3 @@ def replace_section(markdown: Path, tag: str, body: str) -> None:
     tmp = markdown.with_name(f".{markdown.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, markdown)
-

@@ -11,7 +11,9 @@ from medseg.errors import MedsegError
 def _up(args: argparse.Namespace) -> None:
     from medseg.distributed.testbed.testbed import Testbed
 
-    tb = Testbed.up(args.sites, args.wan, args.cpu, probe=False, lifetime_s=args.lifetime, owned=False)
+    tb = Testbed.up(
+        args.sites, args.wan, args.cpu, probe=False, lifetime_s=args.lifetime, owned=False, secure=args.secure
+    )
     if not args.no_probe:
         try:
             report = tb.probe(check=True)
@@ -61,6 +63,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--cpu", help="SITE=CORES per rank, e.g. a=0.5,b=0.25 (cgroup CPU quota; optional)")
     s.add_argument("--no-probe", action="store_true", help="skip the RTT and throughput check")
+    s.add_argument(
+        "--secure",
+        action="store_true",
+        help="join the sites by a WireGuard tunnel (wireguard-go) and give jobs the tunnel addresses",
+    )
     s.add_argument("--lifetime", type=float, default=4 * 3600, help="seconds the WAN relay lives at most")
     s.set_defaults(func=_up)
     s = sites.add_parser("status", help="print the testbed's sites, WAN and processes as JSON")

@@ -2,7 +2,7 @@
 
 A network's *topology* is its ``network_def`` at a patch: DynUNet's kernels and strides (nnU-Net's
 rule follows the patch: more levels, in-plane-only levels on anisotropic data), UNet's stride-2
-levels, SegResNet's fixed 4 stages. For each topology the search meets, :mod:`medseg.bench.measure`
+levels, SegResNet's fixed 4 stages. For each topology the search meets, :mod:`medseg.kernels.measure`
 runs that exact network's training step (forward, Dice+CE loss, backward, AdamW; fused kernels and
 the fused loss with ``--fused``) at two probe patches, each in its own process: the candidate patch
 scaled to about 32k and 98k voxels (the larger at most the candidate itself, the smaller at most 40%
@@ -101,7 +101,7 @@ class MemoryModel:
         )
         step, total = self.step_peak(params, vox), self.total(params, vox)
         return (
-            f"measured with medseg.bench.measure ({self.variant}) on the planned network ({self.topology}) at "
+            f"measured with medseg.kernels.measure ({self.variant}) on the planned network ({self.topology}) at "
             f"smaller patches {probes}; fit {self.b:.0f} bytes per batch voxel "
             f"+ {self.c / 2**20:.0f} MiB + gradients; predicted step peak {step / 2**20:.0f} MiB, total "
             f"{total / 2**20:.0f} MiB with weights, AdamW state and batch (budget {budget / 2**20:.0f} MiB)"
@@ -131,8 +131,8 @@ def run_measure(
     classes: int,
     steps: int = 1,
 ) -> dict[str, Any]:
-    """One :mod:`medseg.bench.measure` run in a fresh process (the only honest peak; docs/design.md)."""
-    cmd = [sys.executable, "-m", "medseg.bench.measure", "--net", "unet", "--variant", variant]
+    """One :mod:`medseg.kernels.measure` run in a fresh process (the only honest peak; docs/design.md)."""
+    cmd = [sys.executable, "-m", "medseg.kernels.measure", "--net", "unet", "--variant", variant]
     cmd += ["--shape", *map(str, shape), "--batch", str(batch), "--steps", str(steps), "--device", device]
     cmd += ["--classes", str(classes), "--net-def", json.dumps(net_def)]
     if device == "cpu":

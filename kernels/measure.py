@@ -1,6 +1,6 @@
 """Measuring one training step of a 3D network: saved-for-backward bytes, peak memory, step time.
 
-Run as ``python -m medseg.bench.measure --net unet --variant fused --patch 64`` it measures one
+Run as ``python -m medseg.kernels.measure --net unet --variant fused --patch 64`` it measures one
 variant in this process and prints one JSON line; ``medseg bench memory`` starts one such process
 per variant, because peak memory is only honest in a fresh process (docs/design.md):
 
