@@ -22,7 +22,6 @@ from medseg.config import Config, config_from_dict
 from medseg.datasets.synthetic import make_cls_dataset, make_seg_dataset
 from medseg.training.loop import train
 
-
 TRAINED_FIXTURES = {"seg_run", "cls_run", "app_runs"}
 MP_SIGNS = ('"--np"', "horovodrun", "HOROVODRUN", "MEDSEG_WORKER")
 TRAIN_SIGNS = ("train(", '"train"', "train_run(")

@@ -1,5 +1,5 @@
 // Fused Dice + cross-entropy loss: CPU kernels, the CUDA host glue, and the Python binding
-// (registered into the norm_act extension module by register_dice_ce). Maths: kernels/loss.py.
+// (registered into the norm_act extension module by register_dice_ce). Maths: kernels/dice_ce.py.
 //
 // A task is kLossChunk voxels of one sample. Each task walks its voxels in blocks of kBlock: per
 // block it computes the per-voxel max and Σ exp over the C logits (class-outer, voxel-inner loops

@@ -28,7 +28,7 @@ VARIANTS = ("old", "new", "new-stream", "new-fp16")
 def measure_variant(args: argparse.Namespace) -> dict[str, Any]:
     """Run ``args.variant`` once on its input; its time, peaks and memory estimate (see module docstring)."""
     from medseg.bundle.load import load_bundle
-    from medseg.inference import memory as predict_memory
+    from medseg.inference import memory
     from medseg.inference import segment as segmentation
     from medseg.inference.io import load_image
     from medseg.inference.predict import predict
@@ -40,7 +40,7 @@ def measure_variant(args: argparse.Namespace) -> dict[str, Any]:
         image = load_image(args.nifti, stream_above=0)
     else:
         image = synthetic_ct(tuple(args.shape), seed=args.seed)
-    est = predict_memory.estimate(bundle.config, image, len(bundle.labels))
+    est = memory.estimate(bundle.config, image, len(bundle.labels))
     gc.collect()
     malloc_trim()
     before_kb = status_kb("VmRSS")

@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from medseg.kernels.measure import VARIANTS
 from medseg.bench.protocol import Benchmark, Target, at_most, figure, run_isolated, table_head, table_row
+from medseg.kernels.measure import VARIANTS
 
 log = logging.getLogger(__name__)
 

@@ -17,14 +17,20 @@ def _evaluate(args: argparse.Namespace) -> None:
     )
 
     if args.data and len(args.data) > 1:
-        result = evaluate_sites(args.run, parse_data_args(args.data), progress=not args.no_progress)
+        result = evaluate_sites(
+            args.run, parse_data_args(args.data), progress=not args.no_progress, trust=args.trust_bundle
+        )
         print(f"{result['run']} on {len(result['sites'])} sites")
         print(format_sites(result))
         print(f"wrote {result['path']}")
         return
     named = parse_data_args(args.data)[0] if args.data else None
     result = evaluate(
-        args.run, named[1] if named else None, progress=not args.no_progress, site=named[0] if named else None
+        args.run,
+        named[1] if named else None,
+        progress=not args.no_progress,
+        site=named[0] if named else None,
+        trust=args.trust_bundle,
     )
     print(f"{result['run']} on {result['data']}")
     print(format_result(result))
@@ -49,8 +55,18 @@ def _infer(args: argparse.Namespace) -> None:
         series_uid=args.series,
         resample=args.resample,
         stream_above=args.stream_above,
+        trust=args.trust_bundle,
     )
     print(f"wrote {out}")
+
+
+def _add_trust(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--trust-bundle",
+        action="store_true",
+        help="build the bundle's network with MONAI's config parser, running any expression it holds; "
+        "only for a bundle you made yourself (default: only medseg's networks, from literal arguments)",
+    )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -65,6 +81,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "repeat for several sites: a table of sites against metrics, with a pooled row",
     )
     s.add_argument("--no-progress", action="store_true")
+    _add_trust(s)
     s.set_defaults(func=_evaluate)
 
     s = subparsers.add_parser("infer", help="run a trained model on a NIfTI file or DICOM series folder")
@@ -84,4 +101,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="read NIfTI inputs of more voxels than this slab by slab instead of loading them (same "
         "labels, less memory; default 134217728 = 512x512x512, or MEDSEG_STREAM_VOXELS; 0 streams always)",
     )
+    _add_trust(s)
     s.set_defaults(func=_infer)

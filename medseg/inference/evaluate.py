@@ -79,13 +79,18 @@ def _seg_case(bundle: Bundle, item: dict[str, Any]) -> dict[str, Any]:
 
 
 def evaluate(
-    run: str | Path, data_dir: str | Path | None = None, progress: bool = True, site: str | None = None
+    run: str | Path,
+    data_dir: str | Path | None = None,
+    progress: bool = True,
+    site: str | None = None,
+    trust: bool = False,
 ) -> dict[str, Any]:
     """Score the run's bundle; write ``<run>/eval-<dataset>.json`` and return the same mapping.
 
     ``site``: for a bundle trained with ``dist.local_norm``, score with that site's own
-    normalisation tensors (the site's model); otherwise ignored."""
-    bundle = load_bundle(run)
+    normalisation tensors (the site's model); otherwise ignored. ``trust``: see
+    :func:`medseg.bundle.load.load_bundle`."""
+    bundle = load_bundle(run, trust=trust)
     if site is not None and site in site_names(bundle):
         use_site(bundle, site)
     source, items = _cases(bundle, data_dir)
@@ -166,7 +171,7 @@ def parse_data_args(values: list[str]) -> list[tuple[str, Path]]:
 
 
 def evaluate_sites(
-    run: str | Path, datasets: list[tuple[str, Path]], progress: bool = True
+    run: str | Path, datasets: list[tuple[str, Path]], progress: bool = True, trust: bool = False
 ) -> dict[str, Any]:
     """Score the bundle on several sites' datasets: one summary row per site and a pooled row.
 
@@ -179,7 +184,7 @@ def evaluate_sites(
     rows: list[dict[str, Any]] = []
     task = None
     for name, folder in datasets:
-        result = evaluate(run, folder, progress=progress, site=name)
+        result = evaluate(run, folder, progress=progress, site=name, trust=trust)
         task = result["task"]
         per_site[name] = {**result["summary"], "cases": len(result["cases"]), "data": result["data"]}
         rows += result["cases"]
@@ -190,7 +195,7 @@ def evaluate_sites(
         n = sum(s["cases"] for s in per_site.values())
         pooled = {k: sum((s[k] or 0.0) * s["cases"] for s in per_site.values()) / n for k in keys}
     out = {"run": str(run), "task": task, "sites": per_site, "pooled": {**pooled, "cases": len(rows)}}
-    bundle_dir = load_bundle(run).path.parent
+    bundle_dir = load_bundle(run, trust=trust).path.parent
     path = bundle_dir / "eval-sites.json"
     _write_json(path, out)
     out["path"] = str(path)

@@ -109,12 +109,13 @@ def infer_to_file(
     series_uid: str | None = None,
     resample: bool = False,
     stream_above: int | None = None,
+    trust: bool = False,
 ) -> Path:
     """``medseg infer``: a NIfTI label map (segmentation) or a JSON of class probabilities (classification).
 
     NIfTI inputs of more than ``stream_above`` voxels (default :func:`medseg.inference.io.stream_threshold`)
-    take the streaming path."""
-    bundle, output = load_bundle(run), Path(output)
+    take the streaming path. ``trust``: see :func:`medseg.bundle.load.load_bundle`."""
+    bundle, output = load_bundle(run, trust=trust), Path(output)
     checks.prepare_output_file(output, [source], create=False)  # before the input is read
     if bundle.task == "classification" and output.suffix != ".json":
         raise DataError(

@@ -11,10 +11,10 @@ import torch
 from monai.networks.nets import DynUNet, SegResNet, UNet
 from torch import nn
 
-from medseg.kernels.measure import saved_bytes
 from medseg.kernels import dispatch, optimize_memory
 from medseg.kernels.blocks import describe, norm_act, norm_act_conv
 from medseg.kernels.functions import replayable_backward
+from medseg.kernels.measure import saved_bytes
 
 NORMS = {
     "instance": lambda: nn.InstanceNorm3d(4),
