@@ -9,8 +9,9 @@ from __future__ import annotations
 import streamlit as st
 
 from medseg.apps import trust
-from medseg.apps.registry import ModelInfo, default_folders, list_models
+from medseg.apps.registry import ModelInfo, allowed_folder, default_folders, list_models
 from medseg.bundle.load import Bundle, load_bundle
+from medseg.errors import MedsegError
 
 
 @st.cache_resource(show_spinner="Loading the model…", max_entries=4)
@@ -37,7 +38,15 @@ def cached_facts(info: ModelInfo) -> trust.TrainingFacts:
 
 
 def all_models() -> tuple[list[ModelInfo], list[str]]:
-    """The models in the default folders and the one typed into 'Another model folder'."""
-    extra = str(st.session_state.get("extra_folder", "") or "")
-    folders = [str(p) for p in default_folders()] + ([extra.strip()] if extra.strip() else [])
-    return cached_models(tuple(folders))
+    """The models in the runs folders and in the one typed into 'Another model folder' (only when it
+    lies inside them: :func:`~medseg.apps.registry.allowed_folder`), and the problems to show."""
+    extra = str(st.session_state.get("extra_folder", "") or "").strip()
+    roots = default_folders()
+    folders, refused = [str(p) for p in roots], []
+    if extra:
+        try:
+            folders.append(str(allowed_folder(extra, roots)))
+        except MedsegError as e:
+            refused.append(str(e))
+    models, problems = cached_models(tuple(folders))
+    return models, refused + problems

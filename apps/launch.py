@@ -1,4 +1,10 @@
-"""``medseg app``: start Streamlit on localhost serving the viewer page."""
+"""``medseg app``: start Streamlit serving the viewer page, on 127.0.0.1 unless told otherwise.
+
+The page has no login of its own: it binds the loopback address by default, so only this machine
+reaches it. ``--address`` binds another (``0.0.0.0`` for every interface), for a reverse proxy
+that adds the hospital's login and TLS in front of it (README, "Viewer"). Streamlit's XSRF
+protection and CORS check are switched on explicitly, whatever a local ``config.toml`` says.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +18,20 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from medseg.apps.upload import max_upload_mb
+from medseg.apps.limits import max_upload_mb
 from medseg.errors import MedsegError
 
 log = logging.getLogger(__name__)
 
 APP_PAGE = Path(__file__).with_name("app.py")
 STOP_GRACE_S = 10.0  # after SIGTERM/SIGINT, how long the Streamlit server may take before it is killed
+DEFAULT_ADDRESS = "127.0.0.1"  # loopback only: the page has no login of its own
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def streamlit_command(port: int, address: str = "localhost") -> list[str]:
-    """The ``streamlit run`` command line: local address only, no usage statistics, no browser."""
+def streamlit_command(port: int, address: str = DEFAULT_ADDRESS) -> list[str]:
+    """The ``streamlit run`` command line: the loopback address unless told otherwise, the upload
+    limit, XSRF protection and CORS on, no usage statistics, no browser."""
     return [
         sys.executable,
         "-m",
@@ -37,6 +46,10 @@ def streamlit_command(port: int, address: str = "localhost") -> list[str]:
         "true",
         "--server.maxUploadSize",
         str(max_upload_mb()),
+        "--server.enableXsrfProtection",
+        "true",
+        "--server.enableCORS",
+        "true",
         "--server.fileWatcherType",
         "none",
         "--browser.gatherUsageStats",
@@ -66,7 +79,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def serve(runs: Sequence[str | Path], port: int) -> None:
+def serve(runs: Sequence[str | Path], port: int, address: str = DEFAULT_ADDRESS) -> None:
     """Run the viewer until interrupted; a Streamlit failure (port taken, ...) is a MedsegError.
 
     SIGTERM and SIGINT sent to ``medseg app`` are passed on to the Streamlit server, which is then
@@ -78,8 +91,15 @@ def serve(runs: Sequence[str | Path], port: int) -> None:
         raise MedsegError(
             f"{', '.join(missing)}: no such folder; give --runs a folder that holds run folders"
         )
-    log.info("viewer on http://localhost:%d (models from %s)", port, ", ".join(str(r) for r in runs))
-    proc = subprocess.Popen(streamlit_command(port), env=app_env(runs), preexec_fn=_die_with_parent)
+    host = f"[{address}]" if ":" in address else address
+    log.info("viewer on http://%s:%d (models from %s)", host, port, ", ".join(str(r) for r in runs))
+    if address not in LOOPBACK:
+        log.warning(
+            "the viewer listens on %s, not only on this machine, and has no login of its own: put it "
+            "behind a reverse proxy with the hospital's login and TLS (README, Viewer)",
+            address,
+        )
+    proc = subprocess.Popen(streamlit_command(port, address), env=app_env(runs), preexec_fn=_die_with_parent)
     stopping: list[float] = []
 
     def forward(signum: int, frame: object) -> None:

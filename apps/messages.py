@@ -29,6 +29,10 @@ _ADVICE: tuple[tuple[str, str], ...] = (
     ),
     (r"; choose one with --series UID \(series_uid=\.\.\.\)", "; choose one in the list"),
     (r",? ?so --resample will not interpolate it", ""),
+    (
+        r" ?If you made this bundle yourself and trust it, pass --trust-bundle \(load_bundle\(\.\.\., trust=True\)\)\.",
+        " The viewer does not open such bundles.",
+    ),
     (r"[;,]? ?(?:run|check it with) `medseg [^`]*`", ""),
     (r"[;,]? ?(?:make|convert) (?:one|them first) with `medseg [^`]*`[^;.]*", ""),
     (r"\s*\((?:CLI )?--[a-z-]+[^)]*\)", ""),

@@ -1,8 +1,12 @@
-"""The models the viewer offers: every MONAI bundle under the runs folder and under folders the user names.
+"""The models the viewer offers: every MONAI bundle under the runs folders and under a folder the
+user names inside them.
 
 Listing reads only each bundle's ``configs/metadata.json`` and ``configs/medseg.json``; the
 network itself is built by ``medseg.bundle.load.load_bundle`` when a model is chosen (the app caches
-that with ``st.cache_resource``).
+that with ``st.cache_resource``). The runs folders are the server's (``medseg app --runs``,
+``MEDSEG_APP_RUNS``); a folder typed into the page is taken only when it lies inside one of them
+once symlinks and ``..`` are resolved (:func:`allowed_folder`), so a browser cannot make the
+server read, or load a model from, any other folder.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from medseg.bundle.load import find_bundle, read_settings
-from medseg.errors import ConfigError, RunError
+from medseg.bundle.load import find_bundle, read_network_def, read_settings
+from medseg.errors import ConfigError, DataError, RunError
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class ModelInfo:
 def read_info(path: str | Path) -> ModelInfo:
     """Describe the bundle at ``path`` (a run folder or a bundle folder) from its JSON files."""
     root = find_bundle(path)
+    read_network_def(root)  # an unsafe bundle is listed as a problem, never offered
     try:
         meta = json.loads((root / "configs" / "metadata.json").read_text())
         cfg = read_settings(root)
@@ -191,3 +196,44 @@ def default_folders() -> list[Path]:
     """``MEDSEG_APP_RUNS`` (os.pathsep-separated), else ``runs`` in the working directory."""
     env = os.environ.get("MEDSEG_APP_RUNS", "")
     return [Path(p) for p in env.split(os.pathsep) if p] or [Path("runs")]
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _resolved(path: Path) -> Path | None:
+    try:
+        return path.expanduser().resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a name the system refuses
+        return None
+
+
+def allowed_folder(typed: str, roots: list[Path]) -> Path:
+    """The folder a user typed into the page, resolved (symlinks and ``..``), when it lies inside one
+    of the runs folders ``roots`` (resolved too); a DataError otherwise.
+
+    A relative name is looked for in each runs folder, then in the working directory. Whether an
+    outside folder exists is not looked at: the answer is the same for every outside path.
+    """
+    text = typed.strip()
+    resolved = [r for r in (_resolved(r) for r in roots) if r is not None]
+    given = Path(text).expanduser() if text and "\0" not in text else None
+    if given is None:
+        candidates = []
+    elif given.is_absolute():
+        candidates = [given]
+    else:
+        candidates = [*(r / given for r in resolved), Path.cwd() / given]
+    inside = [
+        c
+        for c in (_resolved(c) for c in candidates)
+        if c is not None and any(_inside(c, r) for r in resolved)
+    ]
+    if not inside:
+        where = ", ".join(str(r) for r in resolved)
+        raise DataError(
+            f"The folder typed into 'Another model folder' is not inside the model folders this "
+            f"viewer was started with ({where}); only folders inside them can be opened"
+        )
+    return next((c for c in inside if c.is_dir()), inside[0])

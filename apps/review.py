@@ -12,7 +12,6 @@ second model's result on the same case; :func:`dice_table` compares it with the 
 
 from __future__ import annotations
 
-import gzip
 import io
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +20,7 @@ import nibabel as nib
 import numpy as np
 from monai.data import MetaTensor
 
+from medseg.apps import limits
 from medseg.errors import DataError
 
 MM_TOLERANCE = 0.01  # mm: how far two grids' voxel centres may differ and still count as the same grid
@@ -46,22 +46,48 @@ def edited_label(label: MetaTensor, runs: Sequence[Sequence[int]]) -> MetaTensor
     return MetaTensor(np.ascontiguousarray(fixed)[None], affine=label.affine, meta=meta)
 
 
-def _load(name: str, data: bytes) -> nib.Nifti1Image:
+def _spatial(shape: Sequence[int]) -> tuple[int, ...]:
+    """A label map's shape without a trailing axis of 1 (a 4D file holding one volume)."""
+    shape = tuple(int(s) for s in shape)
+    return shape[:3] if len(shape) == 4 and shape[3] == 1 else shape
+
+
+def _fits(shape: Sequence[int], want: tuple[int, ...]) -> bool:
+    return _spatial(shape) == want
+
+
+def _misfit(name: str, shape: Sequence[int], want: tuple[int, ...]) -> DataError:
+    shape = _spatial(shape)
+    return DataError(
+        f"{name} does not fit this scan: it has {' × '.join(map(str, shape))} voxels, the scan "
+        f"{' × '.join(map(str, want))}. Upload a mask made on this scan's own grid."
+    )
+
+
+def _load(name: str, data: bytes, want: tuple[int, ...]) -> nib.Nifti1Image:
+    """The uploaded mask as a nibabel image. Its header is read first (no voxel inflated): a mask of
+    another shape is refused there, and a ``.nii.gz`` is inflated no further than its header's size
+    (:func:`medseg.apps.limits.gunzip_nifti`), so a gzip bomb stops within a megabyte of the scan's
+    own size."""
     raw = data
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except OSError:
-            raise DataError(f"{name} is not a readable .nii.gz file (the compression is damaged)") from None
+    layout = limits.nifti_layout(limits.head(data))
+    if layout is not None and not _fits(layout.shape, want):
+        raise _misfit(name, layout.shape, want)
+    if limits.is_gzip(raw):
+        if layout is None:  # not inflated at all: nothing says how far it would go
+            raise _not_nifti(name)
+        raw = bytes(limits.gunzip_nifti(name, data, layout))
     try:
         return nib.Nifti1Image.from_stream(io.BytesIO(raw))
     except Exception:  # noqa: BLE001 - nibabel raises several kinds; the user needs one sentence
         try:
             return nib.Nifti2Image.from_stream(io.BytesIO(raw))
         except Exception:  # noqa: BLE001
-            raise DataError(
-                f"{name} is not a NIfTI file; upload a label map saved as .nii or .nii.gz"
-            ) from None
+            raise _not_nifti(name) from None
+
+
+def _not_nifti(name: str) -> DataError:
+    return DataError(f"{name} is not a NIfTI file; upload a label map saved as .nii or .nii.gz")
 
 
 def read_mask(name: str, data: bytes, shape: Sequence[int], affine: np.ndarray) -> np.ndarray:
@@ -70,16 +96,13 @@ def read_mask(name: str, data: bytes, shape: Sequence[int], affine: np.ndarray) 
     The mask must have the scan's voxel grid: the same shape and an affine that puts every voxel
     within :data:`MM_TOLERANCE` of the scan's. Labels must be whole numbers from 0 to 255.
     """
-    img = _load(name, data)
+    want = tuple(int(s) for s in shape)
+    img = _load(name, data, want)
+    if not _fits(img.shape, want):
+        raise _misfit(name, img.shape, want)
     arr = np.asanyarray(img.dataobj)
     if arr.ndim == 4 and arr.shape[3] == 1:
         arr = arr[..., 0]
-    want = tuple(int(s) for s in shape)
-    if arr.shape != want:
-        raise DataError(
-            f"{name} does not fit this scan: it has {' × '.join(map(str, arr.shape))} voxels, the scan "
-            f"{' × '.join(map(str, want))}. Upload a mask made on this scan's own grid."
-        )
     a, b = np.asarray(img.affine, dtype=np.float64), np.asarray(affine, dtype=np.float64)
     corners = np.array(
         [[i, j, k, 1] for i in (0, want[0] - 1) for j in (0, want[1] - 1) for k in (0, want[2] - 1)]

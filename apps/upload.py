@@ -4,11 +4,15 @@ An upload is one NIfTI file, one zip (of a DICOM series folder, or holding one N
 several DICOM files. The bytes are written to a private temporary folder, read, and the folder is
 removed before returning: nothing is kept on disk and nothing leaves the machine. A DICOM upload
 that holds several series is listed first so the user can choose one.
+
+Nothing compressed is inflated without a bound (:mod:`medseg.apps.limits`): a ``.nii.gz`` is
+counted against its header's size before the reader opens it, the preview inflates no more than
+that, a zip's members no more than the sizes it declares, and a deflated DICOM file no more than
+the cap on a decompressed upload.
 """
 
 from __future__ import annotations
 
-import gzip
 import io
 import logging
 import os
@@ -25,6 +29,9 @@ import numpy as np
 from monai.data import MetaTensor
 from pydicom.dataset import Dataset
 
+from medseg.apps import limits
+from medseg.apps.limits import max_upload_mb
+from medseg.datasets import checks
 from medseg.datasets.dicom.header import is_dicom_bytes, read_header
 from medseg.datasets.dicom.scan import SeriesInfo, list_series
 from medseg.errors import DataError, MedsegError
@@ -32,16 +39,7 @@ from medseg.inference.io import NIFTI_SUFFIXES, load_image
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_MB = 1024
 MAX_ZIP_MEMBERS = 20_000
-
-
-def max_upload_mb() -> int:
-    """The upload size limit in MB (``MEDSEG_APP_MAX_UPLOAD_MB``, default 1024)."""
-    try:
-        return int(os.environ.get("MEDSEG_APP_MAX_UPLOAD_MB", DEFAULT_MAX_MB))
-    except ValueError:
-        return DEFAULT_MAX_MB
 
 
 @dataclass(frozen=True)
@@ -87,6 +85,20 @@ def _safe_name(name: str) -> str:
 def _is_dicom(data: bytes) -> bool:
     """DICOM with or without the 128-byte preamble (the reader's own test)."""
     return is_dicom_bytes(data[:132])
+
+
+def _is_dicom_file(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return _is_dicom(f.read(132))
+
+
+def _check_deflated(named: Sequence[tuple[str, bytes | Path]]) -> None:
+    """Refuse a deflated DICOM upload that inflates past the cap, all its files together, before
+    pydicom (which inflates a deflated data set whole) reads any of them."""
+    budget = limits.decompressed_cap().bytes
+    for name, source in named:
+        data = source.read_bytes() if isinstance(source, Path) else source
+        budget -= limits.check_dicom(name, data, budget)
 
 
 def _extract_zip(data: bytes, dest: Path, limit: int) -> list[Path]:
@@ -153,7 +165,7 @@ def staged(files: Sequence[UploadedBytes]) -> Iterator[tuple[str, Path]]:
         if zips:
             extracted = _extract_zip(zips[0].data, tmp / "zip", limit)
             inner = [p for p in extracted if p.name.lower().endswith(NIFTI_SUFFIXES)]
-            dicom = [p for p in extracted if _is_dicom(p.read_bytes()[:132])]
+            dicom = [p for p in extracted if _is_dicom_file(p)]
             if len(inner) == 1 and not dicom:
                 yield "NIfTI", inner[0]
                 return
@@ -163,6 +175,7 @@ def staged(files: Sequence[UploadedBytes]) -> Iterator[tuple[str, Path]]:
                 raise DataError(
                     f"{zips[0].name} holds no DICOM files and no NIfTI file; zip the folder of a DICOM series"
                 )
+            _check_deflated([(p.name, p) for p in dicom])
             yield "DICOM", tmp / "zip"
             return
         folder = tmp / "dicom"
@@ -173,6 +186,7 @@ def staged(files: Sequence[UploadedBytes]) -> Iterator[tuple[str, Path]]:
                     f"{f.name}: not a NIfTI file (.nii, .nii.gz), a zip, or a DICOM file; upload a 3D image"
                 )
             (folder / f"{n:05d}-{_safe_name(f.name)}").write_bytes(f.data)
+        _check_deflated([(f.name, f.data) for f in files])
         yield "DICOM", folder
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -213,6 +227,7 @@ def read_upload(files: Sequence[UploadedBytes], series_uid: str | None = None) -
                 headers = None if image.meta.get("resampled") else _headers(chosen, int(image.shape[3]))
             else:
                 choices, headers = [], None
+                limits.check_nifti_file(path.name, path)  # counted before the reader inflates it
                 image = load_image(path)
                 _check_volume(image)
         except MedsegError as e:
@@ -258,8 +273,8 @@ def viewer_nifti(files: Sequence[UploadedBytes]) -> ViewerNifti | None:
     """The upload itself as the viewport's volume, when NiiVue will place its voxels exactly where
     medseg does; None otherwise (the page then sends the volume it has read, re-encoded).
 
-    Only the header is read (for .nii.gz, the first 348 decompressed bytes), so this takes
-    milliseconds whatever the file's size: the scan can be painted before it is read here. The
+    Only the header is read (for .nii.gz, the first 348 decompressed bytes; extensions are not
+    read), so this takes milliseconds whatever the file's size: the scan can be painted before it is read here. The
     conditions are those under which the two readers agree: one single-file NIfTI-1 of a 3D image
     in a data type NiiVue keeps as stored, and the same affine. medseg takes the sform when its code
     is set, else the qform (:func:`medseg.datasets.checks.nifti_affine`); NiiVue 0.69 takes the
@@ -271,12 +286,11 @@ def viewer_nifti(files: Sequence[UploadedBytes]) -> ViewerNifti | None:
     if len(files) != 1 or not files[0].name.lower().endswith(NIFTI_SUFFIXES):
         return None
     data = files[0].data
-    gz = data[:2] == b"\x1f\x8b"
+    gz = limits.is_gzip(data)
     try:
-        stream = gzip.GzipFile(fileobj=io.BytesIO(data)) if gz else io.BytesIO(data)
         import nibabel as nib
 
-        hdr = nib.Nifti1Header.from_fileobj(stream, check=False)
+        hdr = nib.Nifti1Header(limits.head(data)[:348], check=False)
         shape = tuple(int(s) for s in hdr.get_data_shape())
         if hdr["magic"].item() != b"n+1" or len(shape) != 3 or min(shape) < 2:
             return None
@@ -306,6 +320,23 @@ def viewer_nifti(files: Sequence[UploadedBytes]) -> ViewerNifti | None:
     if not np.all(np.isfinite(affine)) or abs(float(np.linalg.det(affine[:3, :3]))) < 1e-12:
         return None
     return ViewerNifti(data, "scan.nii.gz" if gz else "scan.nii", affine, shape)  # type: ignore[arg-type]
+
+
+def holds_its_header_size(volume: ViewerNifti) -> bool:
+    """Whether the upload, sent to the browser as it is, inflates there to no more than its header
+    says (+ :data:`medseg.apps.limits.SLACK`): counted here, the bytes not kept, so that a gzip
+    bomb reaches no browser either. False too for a volume the read will refuse for its size."""
+    if not volume.name.endswith(".gz"):
+        return True
+    layout = limits.nifti_layout(limits.head(volume.data))
+    if layout is None:
+        return False
+    try:
+        checks.check_memory(layout.n_voxels, layout.itemsize, volume.name)
+        got = limits.inflate(limits.pieces(volume.data), limits.nifti_limit(volume.name, layout))
+    except (limits.Exceeded, DataError):
+        return False
+    return got.status == "complete"
 
 
 PREVIEW_ABOVE = 16 * 2**20  # scans with more voxels are painted first from a preview
@@ -346,10 +377,15 @@ def preview_nifti(
     import nibabel as nib
 
     try:
-        from isal import igzip  # Intel ISA-L's inflate: the same bytes as gzip's in half the time
-
-        raw = igzip.decompress(volume.data) if volume.name.endswith(".gz") else volume.data
-        img = nib.Nifti1Image.from_bytes(raw)
+        # inflated no further than the header's size allows (ISA-L's inflate, counted as it goes),
+        # and only when the full read will not refuse the volume's size anyway
+        layout = limits.nifti_layout(limits.head(volume.data))
+        if layout is None:
+            return None
+        checks.check_memory(layout.n_voxels, layout.itemsize, volume.name)
+        gz = volume.name.endswith(".gz")
+        raw = limits.gunzip_nifti(volume.name, volume.data, layout) if gz else volume.data
+        img = nib.Nifti1Image.from_bytes(bytes(raw[: layout.offset]))  # the header: no voxels copied
         stored = np.ndarray(  # the stored voxels where they lie in the bytes: only the preview is copied
             img.shape,
             dtype=img.dataobj.dtype,

@@ -9,6 +9,13 @@ cases, wraps the optimizer for the chosen mode, lets a test's emulation slow a r
 (:mod:`medseg.distributed.emulation`), gathers the epoch's numbers on rank 0
 (:mod:`medseg.distributed.epoch_numbers`) and keeps each rank's synchronisation state on its own
 host (:mod:`medseg.distributed.sync_checkpoint`).
+
+Everything a rank receives from another is a declared wire message (:mod:`medseg.distributed.comm.wire`:
+host names, dataset header facts, speeds, groups, metrics, epoch numbers as JSON of a declared
+schema; the chief's resume state and a site's normalisation tensors as tensors plus JSON), and what it
+would act on is checked first (:mod:`medseg.distributed.comm.checks`): speeds, site metrics, the
+initial model, every cross-site round and average. Both sessions refuse an epoch whose training
+diverged (a parameter or buffer NaN/Inf after its steps) before its checkpoint is written.
 """
 
 from __future__ import annotations
@@ -26,7 +33,14 @@ import torch
 
 from medseg.config import Config
 from medseg.distributed import emulation, sync_checkpoint
-from medseg.distributed.comm import audit
+from medseg.distributed.comm import audit, auth
+from medseg.distributed.comm.checks import (
+    check_site_metrics,
+    check_speeds,
+    check_tensor,
+    check_trained,
+    refuse_update,
+)
 from medseg.distributed.epoch_numbers import job_numbers, rank_numbers
 from medseg.distributed.launch.heartbeat import BeatClient
 from medseg.distributed.sync.groups import (
@@ -52,9 +66,11 @@ class LocalSession:
     rank, size, is_chief = 0, 1, True
     site: str | None = None
     validates = True  # this process validates (its own site's held-out cases)
+    model: torch.nn.Module | None = None  # what end_epoch checks for divergence
 
     def prepare(self, profile_step: Callable[[], int], model: torch.nn.Module | None = None) -> None:
-        """Nothing to measure in one process."""
+        """Nothing to measure in one process; the model is kept for :meth:`end_epoch`'s check."""
+        self.model = model
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, model: torch.nn.Module
@@ -108,7 +124,21 @@ class LocalSession:
         """Nothing to time in one process."""
 
     def end_epoch(self, optimizer: Any) -> dict[str, Any]:
+        """Refuse a diverged epoch (RunError before its checkpoint is written); no numbers to add."""
+        self.check_diverged(optimizer)
         return {}
+
+    def check_diverged(self, optimizer: Any, who: str = "this process") -> None:
+        """:func:`~medseg.distributed.comm.checks.check_trained` on the model (or the optimizer's
+        parameters): a NaN/Inf training loss leaves them non-finite, and ``last.pt`` must keep the
+        last good epoch. (With fp16 loss scaling in one process, the scaler skips an overflowing step
+        itself and the parameters stay finite: that is not a divergence.)"""
+        if self.model is not None:
+            named = [*self.model.named_parameters(), *self.model.named_buffers()]
+        else:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            named = [(f"parameter {i}", p) for i, p in enumerate(params)]
+        check_trained([(n, t.detach()) for n, t in named], who)
 
     def close(self) -> None:
         """Nothing to shut down."""
@@ -129,7 +159,8 @@ class HorovodSession(LocalSession):
                 "run `make setup` (it builds Horovod with HOROVOD_WITH_GLOO=1)"
             )
         rank = int(os.environ.get("HOROVOD_RANK", "0"))
-        self.beats = BeatClient(rank)  # first, so the launcher hears from this rank at once
+        secret = auth.job_secret()  # the launcher's per-job secret (heartbeat MACs, the store's values)
+        self.beats = BeatClient(rank, secret=secret)  # first, so the launcher hears from this rank at once
         self.beats.send({"ev": "started", "pid": os.getpid()})
         if cfg.sites:  # from here on, every message to another site (or the launcher) is logged
             audit.start(rank)
@@ -142,12 +173,13 @@ class HorovodSession(LocalSession):
         hvd.init()
         self.rank, self.size = hvd.rank(), hvd.size()
         self.is_chief = self.rank == 0
-        self.channel = Channel(hvd, cfg.dist.timeout_s)
-        self.hosts: list[str] = self.channel.gather_objects(
-            os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        self.channel = Channel(hvd, cfg.dist.timeout_s, secret)
+        self.hosts: list[str] = self.channel.gather_json(
+            os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(), "hostname"
         )
         self.rank_sites = self._sites(cfg)
         self.site = self.rank_sites[self.rank] if cfg.sites else None
+        self.channel.name_ranks([f"site {s}" if cfg.sites else f"host {s}" for s in self.rank_sites])
         self.site_cases: dict[str, int] = {}
         if cfg.sites:
             log_ = audit.current()
@@ -199,7 +231,7 @@ class HorovodSession(LocalSession):
 
         if self.site is None:
             return
-        everyone = self.channel.gather_objects(facts, kind="dataset-header")
+        everyone = self.channel.gather_json(facts, "dataset-header", kind="dataset-header")
         by_site: dict[str, dict[str, Any]] = {}
         for r, f in enumerate(everyone):
             by_site.setdefault(self.rank_sites[r], f)
@@ -219,7 +251,15 @@ class HorovodSession(LocalSession):
         if self.site is None:
             return None
         mine = (self.site, metrics) if self.validates else None
-        everyone = self.channel.gather_objects(mine, kind="metrics")
+        everyone = self.channel.gather_json(mine, "site-metrics", kind="metrics")
+        for r, entry in enumerate(everyone):
+            if entry is None:
+                continue
+            if entry[0] != self.rank_sites[r]:  # a rank speaks for its own site only
+                raise refuse_update(
+                    self.channel.describe(r), "validation scores", f"they claim to be site {entry[0]!r}'s"
+                )
+            check_site_metrics(entry[0], entry[1])
         return {s: m for s, m in filter(None, everyone)} if self.is_chief else None
 
     # -- groups ---------------------------------------------------------------------------------
@@ -238,7 +278,11 @@ class HorovodSession(LocalSession):
                 # itself; the median of several steps resists one-off stalls.
                 self.channel.barrier()
                 mine = self._time_steps(profile_step, d.profile_steps)
-                self.speeds = [float(v) for v in self.channel.gather_objects(mine, kind="metrics")]
+                self.speeds = check_speeds(
+                    self.channel.gather_json(mine, "speed", kind="metrics"),
+                    [self.channel.describe(r) for r in range(self.size)],
+                    own=self.rank,
+                )
             if d.sync == "ssp":
                 groups = [[r] for r in range(self.size)]
             elif d.groups:
@@ -248,7 +292,7 @@ class HorovodSession(LocalSession):
             else:
                 groups = choose_groups(self.speeds, k=d.num_groups or None)
             # Every rank must agree on the groups: rank 0's decision is the one used.
-            self.groups = self.channel.broadcast_object(groups)
+            self.groups = self._checked_groups(self.channel.broadcast_json(groups, "groups"))
             if d.periods:
                 if len(d.periods) != len(self.groups) or min(d.periods) < 1:
                     raise ConfigError(
@@ -285,17 +329,25 @@ class HorovodSession(LocalSession):
                 round(self.exchange_s, 3) if self.exchange_s is not None else "not measured",
             )
 
+    def _checked_groups(self, groups: list[list[int]]) -> list[list[int]]:
+        """Rank 0's groups, refused unless they partition the job's ranks."""
+        every = sorted(r for g in groups for r in g)
+        if every != list(range(self.size)):
+            raise refuse_update(
+                self.channel.describe(0), "groups", f"{groups} do not hold each of the {self.size} ranks once"
+            )
+        return groups
+
     def _time_exchange(self, model: torch.nn.Module) -> float:
         """Seconds one cross-group round exchange takes: rank 0's slower of 2 after a warm-up.
 
         The leaders run exactly the collective a round runs, on the leaders' group, with the
-        round's payload: an allreduce of the float32 parameter delta, or (``compression: fixed``)
-        an allgather of its encoded bytes. Every rank gets rank 0's figure. The bytes sent are
+        round's payload: an allgather of the float32 parameter delta, or (``compression: fixed``)
+        of its encoded bytes. Every rank gets rank 0's figure. The bytes sent are
         counted in ``setup_wan_bytes`` (with the initial model broadcast; reported with the first
         epoch).
         """
         from medseg.distributed.comm.compression import encoded_nbytes
-        from medseg.distributed.sync.common import ring_allreduce_bytes
 
         sizes = [p.numel() for p in model.parameters() if p.requires_grad]
         times: list[float] = []
@@ -309,15 +361,11 @@ class HorovodSession(LocalSession):
             n_groups = len(self.groups)
             for i in range(3):
                 tic = time.perf_counter()
-                if fixed:
-                    pg.allgather([torch.empty_like(mine) for _ in self.groups], mine)
-                    self.setup_wan_bytes += (n_groups - 1) * mine.numel()  # ring allgather
-                else:
-                    pg.allreduce_(mine)
-                    self.setup_wan_bytes += int(ring_allreduce_bytes(mine.numel(), 4, n_groups))
+                pg.allgather([torch.empty_like(mine) for _ in self.groups], mine)
+                self.setup_wan_bytes += (n_groups - 1) * mine.numel() * mine.element_size()  # ring allgather
                 if i:
                     times.append(time.perf_counter() - tic)
-        return float(self.channel.broadcast_object(max(times) if times else 0.0))
+        return float(self.channel.broadcast_json(max(times) if times else 0.0, "seconds"))
 
     def _wan_factor(self, exchange_s: float) -> int:
         """:func:`~medseg.distributed.sync.groups.wan_round_factor` for the measured speeds and exchange."""
@@ -390,7 +438,11 @@ class HorovodSession(LocalSession):
         return static_share(n_items, self.groups, self.periods, batch_size, self.rank, seed)
 
     def share_state(self, state: Any) -> Any:
-        return self.channel.broadcast_object(state if self.is_chief else None, kind="parameters")
+        """The chief's resume state (or a flag it decided) on every rank: tensors plus JSON
+        (:data:`~medseg.distributed.comm.wire.TREES` ``shared-state``), never a pickle."""
+        mine = state if self.is_chief else None
+        kind = "parameters" if isinstance(mine, dict) else "control"
+        return self.channel.broadcast_tree(mine, "shared-state", kind=kind)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
         from medseg.distributed.sync.bsp import BulkSynchronous
@@ -407,7 +459,9 @@ class HorovodSession(LocalSession):
         tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
         vector = flat(tensors)
         self.channel.broadcast_tensor(vector)
+        check_tensor(vector, self.channel.describe(0), "initial model", tuple(vector.shape), torch.float32)
         assign(tensors, vector)
+        self.model = model
         if self.is_chief:  # Gloo's broadcast sends the root's tensor to every other rank
             self.setup_wan_bytes += vector.numel() * 4 * sum(h != self.hosts[0] for h in self.hosts)
         if d.sync == "bsp":
@@ -430,6 +484,7 @@ class HorovodSession(LocalSession):
                 local_norm=d.local_norm,
                 weights=[len(g) * p for g, p in zip(self.groups, self.periods)],
             )
+        self.optimizer.who = self.channel.describe(self.rank)
         return self.optimizer
 
     def gather_site_local(self, optimizer: Any) -> dict[str, Any] | None:
@@ -438,14 +493,36 @@ class HorovodSession(LocalSession):
         Only these (a few kB per site) travel, for the bundle's per-site evaluation; every rank calls
         this. None elsewhere and on other ranks.
         """
-        from medseg.distributed.comm.channel import gather_to_root
+        from medseg.distributed.comm.channel import gather_tree_to_root
 
         if not (self.dist.local_norm and self.site is not None):
             return None
         local = optimizer.sync_state().get("local") if self.channel.is_leader else None
-        states, _ = gather_to_root(self.channel.world, (self.site, local), root=0, kind="optimizer-state")
+        states, _ = gather_tree_to_root(
+            self.channel.world, (self.site, local), "site-local", root=0, kind="optimizer-state"
+        )
         if states is None:
             return None
+        mine = {k: v for k, v in optimizer.local.items()}  # rank 0 leads its site: the reference
+        for r, (site, loc) in enumerate(states):
+            if site != self.rank_sites[r]:
+                raise refuse_update(
+                    self.channel.describe(r), "normalisation tensors", f"they claim to be site {site!r}'s"
+                )
+            if loc is None:
+                continue
+            if set(loc) != set(mine):
+                raise refuse_update(
+                    self.channel.describe(r), "normalisation tensors", "their names differ from this model's"
+                )
+            for name, t in loc.items():
+                check_tensor(
+                    t,
+                    self.channel.describe(r),
+                    f"normalisation tensor {name}",
+                    tuple(mine[name].shape),
+                    mine[name].dtype,
+                )
         return {site: loc for site, loc in states if loc}
 
     def save_sync_state(self, optimizer: Any, run_dir: Path, epoch: int) -> dict[str, int] | None:
@@ -511,12 +588,13 @@ class HorovodSession(LocalSession):
     def end_epoch(self, optimizer: Any) -> dict[str, Any]:
         """Finish the epoch's synchronisation and gather its numbers (every rank calls this)."""
         optimizer.end_epoch()
+        self.check_diverged(optimizer, self.channel.describe(self.rank))
         stats = optimizer.stats
         wall = time.perf_counter() - self.epoch_tic
         mine = rank_numbers(
             stats, self.epoch_samples, self.setup_wan_bytes, wall, self.emulation.slept_s, self.compute_s
         )
-        everyone = self.channel.gather_objects(mine, kind="metrics")
+        everyone = self.channel.gather_json(mine, "rank-numbers", kind="metrics")
         stats.reset()
         self.setup_wan_bytes = 0  # set-up transfers are counted once, with the first epoch
         return job_numbers(everyone, self.groups, self.periods, self.wan_factor, self.exchange_s)

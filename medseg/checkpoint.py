@@ -4,6 +4,11 @@ A checkpoint holds the model and optimizer (and scheduler) state, the epoch it c
 validation metric so far, the RNG states of python, numpy and torch, the resolved config and the
 label names. RNG states are stored as plain lists and tensors so that no pickle is needed to read
 them back.
+
+Every ``torch.load`` in medseg is ``weights_only=True``. MONAI's disk cache of preprocessed cases
+(``data.cache: disk``) holds MetaTensors whose metadata carries NIfTI header fields as numpy arrays and
+MONAI's ``TraceKeys`` enum; :func:`allow_cache_globals` adds exactly those to what a weights-only load
+accepts (MONAI itself adds MetaTensor, MetaObj, MetaKeys and SpaceKeys when it is imported).
 """
 
 from __future__ import annotations
@@ -43,6 +48,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
     )
     p = state["python"]
     random.setstate((p["version"], tuple(p["internal"]), p["gauss"]))
+
+
+def cache_globals() -> list[Any]:
+    """What a weights-only load of MONAI's disk cache needs beyond tensors: numpy's array
+    reconstructor, ``numpy.ndarray``, ``numpy.dtype`` and its classes for bool, number, bytes and str
+    (not object or void) arrays, and MONAI's ``TraceKeys`` enum (applied-operation keys)."""
+    from monai.utils.enums import TraceKeys
+
+    reconstruct = np.zeros(0).__reduce__()[0]  # numpy._core.multiarray._reconstruct (numpy 1 and 2)
+    dtypes = {type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDGSU"}  # numpy.dtypes.*DType (numpy 2)
+    return [reconstruct, np.ndarray, np.dtype, *sorted(dtypes - {np.dtype}, key=str), TraceKeys]
+
+
+def allow_cache_globals() -> None:
+    """Let ``torch.load(weights_only=True)`` in this process read MONAI's disk cache (:func:`cache_globals`)."""
+    torch.serialization.add_safe_globals(cache_globals())
 
 
 def save_checkpoint(payload: dict[str, Any], path: str | Path) -> Path:

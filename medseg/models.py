@@ -146,6 +146,7 @@ _REFUSED_ARGS = frozenset(
 _REFUSED_PREFIXES = ("hyena_",)
 # Leading characters of a string MONAI's ConfigParser would not take as a plain string.
 _EXPRESSION_MARKS = ("$", "@", "%")
+_MAX_DEPTH = 8  # nesting of lists and mappings in one argument (MONAI's networks take 2 at most)
 
 
 def allowed_targets() -> list[str]:
@@ -183,15 +184,17 @@ def _argument_names(name: str) -> set[str]:
     return {n for n in names if n not in _REFUSED_ARGS and not n.startswith(_REFUSED_PREFIXES)}
 
 
-def _literal_problem(value: Any, where: str) -> tuple[str, str] | None:
+def _literal_problem(value: Any, where: str, depth: int = 0) -> tuple[str, str] | None:
     """``(key, why)`` for the first part of ``value`` that is not a literal, else None."""
+    if depth > _MAX_DEPTH:
+        return where, f"nested more than {_MAX_DEPTH} levels deep"
     if isinstance(value, str) and value.lstrip().startswith(_EXPRESSION_MARKS):
         return where, f"{value[:60]!r} is a MONAI expression or reference, not a literal value"
     if value is None or isinstance(value, (bool, int, float, str)):
         return None
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            found = _literal_problem(item, f"{where}[{i}]")
+            found = _literal_problem(item, f"{where}[{i}]", depth + 1)
             if found:
                 return found
         return None
@@ -205,7 +208,7 @@ def _literal_problem(value: Any, where: str) -> tuple[str, str] | None:
                     inner,
                     f"{key} inside an argument asks MONAI to build or resolve something; only literal values are taken",
                 )
-            found = _literal_problem(item, inner)
+            found = _literal_problem(item, inner, depth + 1)
             if found:
                 return found
         return None

@@ -6,7 +6,7 @@ Both are measured through the real page (``streamlit.testing`` AppTest running a
 bundle): time to result = uploading the file (read, metadata, first panels) + pressing Run (the
 inference through ``medseg.inference.predict.predict``, then the panels with the overlay and the volume
 table); a slider move = one script rerun after changing a slice slider. The same steps are also
-timed as bare functions, to show where the time goes. Targets (issue 5, 2-core CPU): result
+timed as bare functions, to show where the time goes. Targets (2-core CPU): result
 <= 30 s, slider <= 0.5 s; ratios are measured / target (<= 1 meets it).
 """
 

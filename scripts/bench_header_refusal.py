@@ -1,4 +1,4 @@
-"""How fast a NIfTI whose header claims more memory than the machine has is refused (issue 17).
+"""How fast a NIfTI whose header claims more memory than the machine has is refused.
 
 Builds a real gzip bomb: a 16 MB .nii.gz that decompresses to 16 GiB of int16 zeros (the header's
 shape 2048 x 2048 x 2048; the zeros are one compressed 64 MiB member repeated, which gzip readers

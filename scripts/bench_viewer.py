@@ -1,4 +1,4 @@
-"""Viewer speed in a real browser (headless Chromium, WebGL through SwiftShader): issue 14's targets.
+"""Viewer speed in a real browser (headless Chromium, WebGL through SwiftShader): the viewer's speed targets.
 
     .venv/bin/python scripts/bench_viewer.py [--run runs/demo-seg] [--markdown docs/benchmarks.md] [--shots docs]
     .venv/bin/python scripts/bench_viewer.py --first-paint-only   # the 512 x 512 x 300 first paint alone

@@ -1,4 +1,4 @@
-"""Where a viewport scroll step's time goes (issue 14): frame cost by variant, and the step itself.
+"""Where a viewport scroll step's time goes: frame cost by variant, and the step itself.
 
     .venv/bin/python scripts/probe_viewer_frames.py [--run runs/demo-seg] [--steps 20]
 

@@ -3,7 +3,8 @@
 Every test gets exactly one tier marker, set here from what the test uses, so that nobody has to
 remember to mark a test:
 
-- ``sites``: the emulated hospital network (tests/testbed/: namespaces, tc, sshd; needs root);
+- ``sites``: the emulated hospital network (tests/testbed/ and the secure site link: namespaces,
+  tc, sshd, WireGuard; needs root);
 - ``browser``: a real Chromium against a real Streamlit server (files named ``*browser*``);
 - ``gpu``: a CUDA device or nvcc (skipped without one);
 - ``mp``: several Horovod ranks or launched processes (the test runs ``horovodrun`` or ``--np``);
@@ -22,6 +23,7 @@ from medseg.config import Config, config_from_dict
 from medseg.datasets.synthetic import make_cls_dataset, make_seg_dataset
 from medseg.training.loop import train
 
+SITES_FILES = {"test_site_link.py"}  # the secure site link on a real testbed (tests/secure/)
 TRAINED_FIXTURES = {"seg_run", "cls_run", "app_runs"}
 MP_SIGNS = ('"--np"', "horovodrun", "HOROVODRUN", "MEDSEG_WORKER")
 TRAIN_SIGNS = ("train(", '"train"', "train_run(")
@@ -37,7 +39,7 @@ def needs_gpu(item: pytest.Item) -> bool:
 def tier_of(item: pytest.Item) -> str:
     """The one tier of a collected test (see the module docstring for the rules)."""
     path = Path(str(item.fspath))
-    if path.parent.name == "testbed":
+    if path.parent.name == "testbed" or path.name in SITES_FILES:
         return "sites"
     if "browser" in path.name:
         return "browser"

@@ -124,7 +124,9 @@ def _paint_first(
     if direct is None:
         return None, "", "", False
     vid = f"upload-{pending.id}-{len(direct.data)}"
-    preview = upload.preview_nifti(direct)
+    preview = upload.preview_nifti(direct)  # inflated within its header's size, or None
+    if preview is None and not upload.holds_its_header_size(direct):
+        return None, "", "", False  # a gzip bomb goes to no browser; the read says why
     first, step = preview if preview is not None else (direct, 1)
     first_id = f"{vid}-preview{step}" if preview is not None else vid
     return direct, vid, first_id, early(first, first_id, direct.affine, step)

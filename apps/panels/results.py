@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+
 import pandas as pd
 import streamlit as st
 
@@ -38,7 +40,7 @@ def results_panel(info: ModelInfo, stored: CaseResult, warnings: list[str]) -> N
         )
         return
     legend = " ".join(
-        f'<span style="color:{render.colour_hex(k)}">&#9632;</span> {name}'
+        f'<span style="color:{render.colour_hex(k)}">&#9632;</span> {html.escape(name)}'
         for k, name in sorted(info.labels.items())
         if k != 0
     )

@@ -43,7 +43,8 @@ def sidebar_models() -> ModelInfo | None:
     st.sidebar.text_input(
         "Another model folder",
         key="extra_folder",
-        help="A bundle folder, a run folder, or a folder of runs on this machine.",
+        help="A bundle folder, a run folder, or a folder of runs inside the model folders the viewer "
+        "was started with (medseg app --runs); its name alone is looked for in them.",
     )
     models, problems = all_models()
     for p in problems:

@@ -9,8 +9,9 @@ in docs/design.md, "Where each collective runs"). An "asynchronous" cross-site e
 therefore stalls the sites, and Horovod process sets do not isolate sites.
 
 So every rank of a launched job also joins a private Gloo job of its own, made from Horovod's rank
-and size (rank 0 hosts a ``torch.distributed`` TCP store on its own address and announces it with
-one Horovod broadcast): a world group, its synchronisation group and, on leaders, the group of the
+and size (rank 0 hosts a ``torch.distributed`` TCP store listening on its own address only and
+announces it with one Horovod broadcast of a MAC'd JSON message; every value in the store carries a
+MAC made with the job secret, :mod:`medseg.distributed.comm.auth`): a world group, its synchronisation group and, on leaders, the group of the
 groups' leaders, each a ``ProcessGroupGloo`` built on that store (not the default process group:
 see :class:`Group`). Each ``ProcessGroupGloo`` has its own connections and worker threads, so a bulk transfer
 in flight on the leaders' group never delays an allreduce on a site's group. What runs where:
@@ -25,8 +26,13 @@ gssp/ssp in-group gradient average          site group (torch)  must not pay the
 gssp/ssp cross-group round (async)          leaders (torch)     must not block in-site training
 in-group broadcast of a received round      site group (torch)  one WAN transfer per site, not |g|
 epoch-end model average (gssp, local-sgd)   site then leaders   WAN bytes of one copy per site
-barriers, object exchange                   world (torch)       long timeout; the watchdog decides
+barriers, small values and state           world (torch)       long timeout; the watchdog decides
 ==========================================  ==================  ===================================
+
+Small values and state cross as declared wire messages (:mod:`medseg.distributed.comm.wire`: JSON
+of a declared schema, tensors with a declared dtype and shape), never as pickles: each sender's
+size is exchanged first and checked against the kind's limit before anything is allocated, and a
+malformed message stops every rank with a RunError naming the sender (:meth:`Channel.describe`).
 
 The store and the process groups use a long timeout (``dist.timeout_s`` x 20, at least an hour):
 a slow data load or validation is not a failure; the launcher's watchdog, fed by heartbeats, is
@@ -38,16 +44,18 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import pickle
 import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from medseg.distributed.comm import audit
+from medseg.distributed.comm import audit, auth, wire
+from medseg.errors import RunError
 
 log = logging.getLogger(__name__)
+
+ADDRESS_SLOTS = 1024  # int32 slots of the announced store address (length, then MAC'd JSON bytes)
 
 
 def _own_address() -> str:
@@ -68,10 +76,17 @@ def _own_address() -> str:
         return "127.0.0.1"
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def _listen(host: str) -> socket.socket:
+    """A listening socket on ``host`` only (not every interface), for the store to take over."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(256)
+    return sock
+
+
+def default_names(size: int) -> list[str]:
+    return [f"rank {r}" for r in range(size)]
 
 
 class Group:
@@ -80,19 +95,36 @@ class Group:
     Built directly on a store, not through ``torch.distributed.init_process_group``: medseg's
     channel stays private, so libraries that synchronise whenever a default process group exists
     (MONAI's metrics all-gather their buffers) keep computing per process, as rank 0's validation
-    needs.
+    needs. ``names`` (shared with the channel) says how to name a global rank in an error.
     """
 
     def __init__(
-        self, store: Any, name: str, ranks: list[int], rank: int, timeout: datetime.timedelta
+        self,
+        store: Any,
+        name: str,
+        ranks: list[int],
+        rank: int,
+        timeout: datetime.timedelta,
+        names: list[str] | None = None,
     ) -> None:
         self.ranks = sorted(ranks)
         self.index = self.ranks.index(rank)
         self.size = len(self.ranks)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), self.index, self.size, timeout)
+        self.names = names if names is not None else default_names(max(self.ranks) + 1)
+        try:
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), self.index, self.size, timeout)
+        except RuntimeError as exc:
+            if "job-secret check" in str(exc):
+                raise RunError(f"channel group {name!r}: {str(exc).splitlines()[0][:400]}") from None
+            raise
 
     def root(self, global_rank: int) -> int:
         return self.ranks.index(global_rank)
+
+    def describe(self, index: int) -> str:
+        """The member at ``index`` as errors name it (``rank 2 (site b)``)."""
+        r = self.ranks[index]
+        return self.names[r] if r < len(self.names) else f"rank {r}"
 
     def allreduce_(self, tensor: torch.Tensor, async_op: bool = False, kind: str = "control") -> Any:
         """Sum ``tensor`` over the group in place; with ``async_op`` return the work handle.
@@ -138,43 +170,173 @@ class Group:
         # Gloo's barrier is an allreduce of nothing; an allreduce of one value is just as good.
         self.allreduce_(torch.zeros(1))
 
-    def gather_objects(self, obj: Any, kind: str = "control") -> list[Any]:
-        """Every member's ``obj`` on every member, in rank order (pickled; our own ranks only)."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self.allgather(sizes, torch.tensor([data.numel()], dtype=torch.int64))
-        top = max(int(s) for s in sizes)
+    # -- declared messages (medseg.distributed.comm.wire) ------------------------------------------
+    def _sizes(self, mine: list[int], limits: list[int], what: str) -> list[list[int]]:
+        """Every member's sizes (``len(mine)`` numbers each), each checked against ``limits`` first."""
+        outs = [torch.zeros(len(mine), dtype=torch.int64) for _ in range(self.size)]
+        self.allgather(outs, torch.tensor(mine, dtype=torch.int64))
+        sizes = [[int(x) for x in o] for o in outs]
+        for j, row in enumerate(sizes):
+            for n, limit in zip(row, limits):
+                if not 0 <= n <= limit:
+                    raise wire.refuse(self.describe(j), what, f"it announced {n} bytes, the limit is {limit}")
+        return sizes
+
+    def _allgather_bytes(self, data: torch.Tensor, sizes: list[int], kind: str) -> list[torch.Tensor]:
+        """Every member's uint8 ``data`` (``sizes[j]`` bytes from member j; padded to the largest)."""
+        top = max(sizes)
+        if top == 0:
+            return [torch.zeros(0, dtype=torch.uint8) for _ in sizes]
         padded = torch.zeros(top, dtype=torch.uint8)
         padded[: data.numel()] = data
         outs = [torch.empty(top, dtype=torch.uint8) for _ in range(self.size)]
         self.allgather(outs, padded, kind=kind)
-        return [pickle.loads(o[: int(s)].numpy().tobytes()) for o, s in zip(outs, sizes)]
+        return [o[:n] for o, n in zip(outs, sizes)]
+
+    def gather_json(self, value: Any, schema: str, kind: str = "control") -> list[Any]:
+        """Every member's ``value`` on every member, in rank order, as a JSON message of ``schema``
+        (:data:`medseg.distributed.comm.wire.SCHEMAS`); a malformed one stops every member."""
+        data = torch.frombuffer(bytearray(wire.encode_json(value)), dtype=torch.uint8)
+        sizes = [row[0] for row in self._sizes([data.numel()], [wire.MAX_JSON_BYTES], schema)]
+        got = self._allgather_bytes(data, sizes, kind)
+        return [wire.decode_json(g.numpy().tobytes(), schema, self.describe(j)) for j, g in enumerate(got)]
+
+    def gather_tree(self, obj: Any, tree: str, kind: str = "control") -> list[Any]:
+        """Every member's ``obj`` (tensors and JSON values) on every member, as tree messages of ``tree``."""
+        spec = wire.TREES[tree]
+        header, payload = wire.pack_tree(obj)
+        hdr = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        sizes = self._sizes([hdr.numel(), payload.numel()], [spec.max_header, spec.max_payload], tree)
+        headers = self._allgather_bytes(hdr, [s[0] for s in sizes], kind)
+        parsed = [self._header(h, s[1], tree, j) for j, (h, s) in enumerate(zip(headers, sizes))]
+        payloads = self._allgather_bytes(payload, [s[1] for s in sizes], kind)
+        return [self._unpack(p, body, tree, j) for j, (p, body) in enumerate(zip(parsed, payloads))]
+
+    def _header(self, header: torch.Tensor, payload_size: int, tree: str, j: int) -> tuple[Any, list]:
+        try:
+            node, manifest, total = wire.tree_header(header.numpy().tobytes(), wire.TREES[tree])
+        except wire.Malformed as exc:
+            raise wire.refuse(self.describe(j), tree, str(exc)) from None
+        if total != payload_size:
+            raise wire.refuse(
+                self.describe(j), tree, f"its tensors declare {total} bytes, it announced {payload_size}"
+            )
+        return node, manifest
+
+    def _unpack(self, parsed: tuple[Any, list], payload: torch.Tensor, tree: str, j: int) -> Any:
+        try:
+            return wire.unpack_tree(parsed[0], parsed[1], payload, wire.TREES[tree])
+        except wire.Malformed as exc:
+            raise wire.refuse(self.describe(j), tree, str(exc)) from None
+
+    def broadcast_tree(self, obj: Any, src: int, tree: str, kind: str = "control") -> Any:
+        """Global rank ``src``'s ``obj`` on every member, as a tree message of ``tree`` (``src`` decodes
+        its own message too, so every member holds the same rebuilt object)."""
+        spec = wire.TREES[tree]
+        sender = self.describe(self.root(src))
+        me = self.ranks[self.index] == src
+        header, payload = wire.pack_tree(obj) if me else (b"", torch.zeros(0, dtype=torch.uint8))
+        sizes = torch.tensor([len(header), payload.numel()], dtype=torch.int64)
+        self.broadcast_(sizes, src)
+        n_header, n_payload = int(sizes[0]), int(sizes[1])
+        if not 0 <= n_header <= spec.max_header or not 0 <= n_payload <= spec.max_payload:
+            raise wire.refuse(
+                sender, tree, f"it announced {n_header} + {n_payload} bytes, over the kind's limits"
+            )
+        hdr = (
+            torch.frombuffer(bytearray(header), dtype=torch.uint8)
+            if me
+            else torch.empty(n_header, dtype=torch.uint8)
+        )
+        if n_header:
+            self.broadcast_(hdr, src, kind=kind)
+        parsed = self._header(hdr, n_payload, tree, self.root(src))
+        body = payload if me else torch.empty(n_payload, dtype=torch.uint8)
+        if n_payload:
+            self.broadcast_(body, src, kind=kind)
+        return self._unpack(parsed, body, tree, self.root(src))
+
+    def broadcast_json(self, value: Any, src: int, schema: str, kind: str = "control") -> Any:
+        """Global rank ``src``'s ``value`` on every member, as a JSON message of ``schema``."""
+        me = self.ranks[self.index] == src
+        data = wire.encode_json(value) if me else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.broadcast_(size, src)
+        sender = self.describe(self.root(src))
+        if not 0 <= int(size) <= wire.MAX_JSON_BYTES:
+            raise wire.refuse(
+                sender, schema, f"it announced {int(size)} bytes, the limit is {wire.MAX_JSON_BYTES}"
+            )
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if me
+            else torch.empty(int(size), dtype=torch.uint8)
+        )
+        if int(size):
+            self.broadcast_(buf, src, kind=kind)
+        return wire.decode_json(buf.numpy().tobytes(), schema, sender)
 
 
-def gather_to_root(
-    group: Group, obj: Any, root: int = 0, kind: str = "optimizer-state"
+def gather_tree_to_root(
+    group: Group, obj: Any, tree: str, root: int = 0, kind: str = "optimizer-state"
 ) -> tuple[list[Any] | None, list[int]]:
-    """``obj`` of every member, on global rank ``root`` only (None elsewhere), and each one's pickled size.
+    """``obj`` of every member, on global rank ``root`` only (None elsewhere), as tree messages of
+    ``tree``, and each one's payload size.
 
-    Unlike :meth:`Group.gather_objects` nothing travels to the other members: for checkpoint state
+    Unlike :meth:`Group.gather_tree` nothing travels to the other members: for checkpoint state
     that only rank 0 writes, the WAN carries each remote rank's state once.
     """
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes_t = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size)]
-    group.allgather(sizes_t, torch.tensor([data.numel()], dtype=torch.int64))
-    sizes = [int(s) for s in sizes_t]
-    top = max(sizes)
-    padded = torch.zeros(top, dtype=torch.uint8)
-    padded[: data.numel()] = data
+    spec = wire.TREES[tree]
+    header, payload = wire.pack_tree(obj)
+    hdr = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    sizes = group._sizes([hdr.numel(), payload.numel()], [spec.max_header, spec.max_payload], tree)
     opts = dist.GatherOptions()
     opts.rootRank = group.root(root)
-    if group.ranks[group.index] == root:
-        outs = [torch.empty(top, dtype=torch.uint8) for _ in range(group.size)]
-        group.pg.gather([outs], [padded], opts).wait()
-        return [pickle.loads(o[:n].numpy().tobytes()) for o, n in zip(outs, sizes)], sizes
-    audit.sent([root], "gather", kind, padded)
-    group.pg.gather([], [padded], opts).wait()
-    return None, sizes
+    me = group.ranks[group.index] == root
+    results: list[list[torch.Tensor]] = []
+    for col, mine in ((0, hdr), (1, payload)):
+        top = max(s[col] for s in sizes)
+        if top == 0:
+            results.append([torch.zeros(0, dtype=torch.uint8) for _ in sizes])
+            continue
+        padded = torch.zeros(top, dtype=torch.uint8)
+        padded[: mine.numel()] = mine
+        if me:
+            outs = [torch.empty(top, dtype=torch.uint8) for _ in range(group.size)]
+            group.pg.gather([outs], [padded], opts).wait()
+            results.append([o[: s[col]] for o, s in zip(outs, sizes)])
+        else:
+            audit.sent([root], "gather", kind, padded)
+            group.pg.gather([], [padded], opts).wait()
+    payload_sizes = [s[1] for s in sizes]
+    if not me:
+        return None, payload_sizes
+    objs = []
+    for j, (h, body) in enumerate(zip(results[0], results[1])):
+        parsed = group._header(h, sizes[j][1], tree, j)
+        objs.append(group._unpack(parsed, body, tree, j))
+    return objs, payload_sizes
+
+
+def share_address(hvd: Any, secret: bytes, where: tuple[str, int] | None) -> tuple[str, int]:
+    """Rank 0's store address on every rank: one Horovod broadcast of int32 slots holding the
+    MAC'd JSON message (length first); refused unless the MAC checks out with the job secret."""
+    buf = torch.zeros(ADDRESS_SLOTS, dtype=torch.int32)
+    if where is not None:
+        signed = auth.sign(secret, b"channel-address", wire.encode_json({"host": where[0], "port": where[1]}))
+        buf[0] = len(signed)
+        buf[1 : 1 + len(signed)] = torch.tensor(list(signed), dtype=torch.int32)
+    buf = hvd.broadcast(buf, root_rank=0, name="medseg.channel")
+    n = int(buf[0])
+    raw = bytes(int(x) & 0xFF for x in buf[1 : 1 + n].tolist()) if 0 < n < ADDRESS_SLOTS else b""
+    data = auth.verify(secret, b"channel-address", raw)
+    if data is None:
+        raise RunError(
+            "rank 0 announced the channel's store address without a valid job-secret MAC (a rank started "
+            f"with another {auth.SECRET_ENV}, or tampering on the way); refused"
+        )
+    value = wire.decode_json(data, "channel-address", "rank 0")
+    return str(value["host"]), int(value["port"])
 
 
 class Channel:
@@ -183,28 +345,54 @@ class Channel:
     Args:
         hvd: ``horovod.torch``, initialised.
         timeout_s: the job's ``dist.timeout_s``; the groups wait up to 20x that (>= 1 h).
+        secret: the job secret (default: ``MEDSEG_JOB_SECRET``, required).
     """
 
-    def __init__(self, hvd: Any, timeout_s: float) -> None:
+    def __init__(self, hvd: Any, timeout_s: float, secret: bytes | None = None) -> None:
         self.rank, self.size = hvd.rank(), hvd.size()
+        secret = secret if secret is not None else auth.job_secret()
+        assert secret is not None
         if "GLOO_SOCKET_IFNAME" not in os.environ and os.environ.get("HOROVOD_GLOO_IFACE"):
             os.environ["GLOO_SOCKET_IFNAME"] = os.environ["HOROVOD_GLOO_IFACE"]
         self.timeout = datetime.timedelta(seconds=max(3600.0, 20 * timeout_s))
+        listener = None
         where = None
         if self.rank == 0:
             host = _own_address()
-            where = [host, _free_port(host)]
-        host, port = hvd.broadcast_object(where, root_rank=0, name="medseg.channel")
-        self.store = dist.TCPStore(
-            host, int(port), self.size, is_master=self.rank == 0, timeout=self.timeout, wait_for_workers=False
-        )
-        self.world = Group(self.store, "world/", list(range(self.size)), self.rank, self.timeout)
+            listener = _listen(host)  # the store listens on the job's address only
+            where = (host, int(listener.getsockname()[1]))
+        host, port = share_address(hvd, secret, where)
+        if listener is not None:
+            tcp = dist.TCPStore(
+                host,
+                port,
+                self.size,
+                is_master=True,
+                timeout=self.timeout,
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),
+            )
+        else:
+            tcp = dist.TCPStore(
+                host, port, self.size, is_master=False, timeout=self.timeout, wait_for_workers=False
+            )
+        self.store = auth.MacStore(tcp, secret)
+        self.names = default_names(self.size)
+        self.world = Group(self.store, "world/", list(range(self.size)), self.rank, self.timeout, self.names)
         log.debug("rank %d: medseg Gloo channel via %s:%d", self.rank, host, port)
         self.groups: list[list[int]] = [list(range(self.size))]
         self.group: list[int] = list(range(self.size))
         self.group_pg: Group | None = None
         self.leaders_pg: Group | None = None
         self.leader = 0
+
+    def name_ranks(self, rank_sites: list[str] | None) -> None:
+        """Name every rank by its site in errors from now on (``rank 2 (site b)``)."""
+        for r in range(self.size):
+            self.names[r] = f"rank {r} (site {rank_sites[r]})" if rank_sites else f"rank {r}"
+
+    def describe(self, rank: int) -> str:
+        return self.names[rank]
 
     def set_groups(self, groups: list[list[int]]) -> None:
         """Build this rank's sync group and, on leaders, the leaders' group (members only connect)."""
@@ -214,13 +402,15 @@ class Channel:
         self.leader = self.group[0]
         key = "-".join(map(str, self.group))
         self.group_pg = (
-            Group(self.store, f"group{key}/", self.group, self.rank, self.timeout)
+            Group(self.store, f"group{key}/", self.group, self.rank, self.timeout, self.names)
             if len(self.group) > 1
             else None
         )
         leaders = [g[0] for g in self.groups]
         self.leaders_pg = (
-            Group(self.store, "leaders/", leaders, self.rank, self.timeout) if self.is_leader else None
+            Group(self.store, "leaders/", leaders, self.rank, self.timeout, self.names)
+            if self.is_leader
+            else None
         )
 
     def make_group(self, tag: str, ranks: list[int]) -> Group:
@@ -228,7 +418,7 @@ class Channel:
         unique in the job, and every member must make its groups in the same order."""
         if self.rank not in ranks:
             raise ValueError(f"channel: rank {self.rank} cannot make group {tag!r} of ranks {ranks}")
-        return Group(self.store, tag, list(ranks), self.rank, self.timeout)
+        return Group(self.store, tag, list(ranks), self.rank, self.timeout, self.names)
 
     @property
     def is_leader(self) -> bool:
@@ -237,22 +427,21 @@ class Channel:
     def barrier(self) -> None:
         self.world.barrier()
 
-    def gather_objects(self, obj: Any, kind: str = "control") -> list[Any]:
-        """Every rank's ``obj`` on every rank, in rank order."""
-        return self.world.gather_objects(obj, kind=kind)
+    def gather_json(self, value: Any, schema: str, kind: str = "control") -> list[Any]:
+        """Every rank's ``value`` on every rank, in rank order (a JSON message of ``schema``)."""
+        return self.world.gather_json(value, schema, kind=kind)
 
-    def broadcast_object(self, obj: Any, src: int = 0, kind: str = "control") -> Any:
-        """``obj`` of rank ``src`` on every rank (its size first, then its pickled bytes)."""
-        data = pickle.dumps(obj) if self.rank == src else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        self.world.broadcast_(size, src)
-        buf = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if data
-            else torch.empty(int(size), dtype=torch.uint8)
-        )
-        self.world.broadcast_(buf, src, kind=kind)
-        return obj if self.rank == src else pickle.loads(buf.numpy().tobytes())
+    def broadcast_json(self, value: Any, schema: str, src: int = 0, kind: str = "control") -> Any:
+        """Rank ``src``'s ``value`` on every rank (a JSON message of ``schema``)."""
+        return self.world.broadcast_json(value, src, schema, kind=kind)
+
+    def gather_tree(self, obj: Any, tree: str, kind: str = "control") -> list[Any]:
+        """Every rank's ``obj`` (tensors and JSON values) on every rank (tree messages of ``tree``)."""
+        return self.world.gather_tree(obj, tree, kind=kind)
+
+    def broadcast_tree(self, obj: Any, tree: str, src: int = 0, kind: str = "control") -> Any:
+        """Rank ``src``'s ``obj`` (tensors and JSON values) on every rank (a tree message of ``tree``)."""
+        return self.world.broadcast_tree(obj, src, tree, kind=kind)
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0, kind: str = "parameters") -> None:
         self.world.broadcast_(tensor, src, kind=kind)
@@ -282,6 +471,9 @@ class TorchTransport:
 
     def __init__(self, group: Group) -> None:
         self.group = group
+
+    def describe(self, j: int) -> str:
+        return self.group.describe(j)
 
     def size(self) -> int:
         return self.group.size
@@ -314,6 +506,10 @@ class HorovodTransport:
 
     def __init__(self, hvd: Any, process_set: Any) -> None:
         self.hvd, self.ps = hvd, process_set
+
+    def describe(self, j: int) -> str:
+        ranks = getattr(self.ps, "ranks", None)
+        return f"rank {ranks[j]}" if ranks else f"rank {j}"
 
     def size(self) -> int:
         return int(self.ps.size())

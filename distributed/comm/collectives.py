@@ -38,6 +38,13 @@ averages up to ``-(mean_r e1_r + e2)`` (one residual of each stage; see
 :class:`~medseg.distributed.comm.compression.ErrorFeedback`). With ``N = 1`` the inputs are returned
 unchanged and nothing is sent.
 
+Checked scales: before anything received is decoded, each sender's chunk scales (one float32 per
+layer, in step 4 from every worker, in step 5 from every chunk's owner) pass the norm rule of
+:mod:`medseg.distributed.comm.checks` as one vector per sender: finite, not negative, and its norm
+within K times that sender's recent ones or this worker's own. A decoded value is at most its
+scale in size, so this bounds what any worker can add to the average; a failing worker is named and
+nothing is returned.
+
 Byte accounting (:attr:`CompressedAllreduce.last_bytes_sent`): payload bytes this worker puts on the
 wire in this call (Horovod's negotiation messages are not counted), with
 ``b_j = sum_L encoded_nbytes(size of chunk j of L, bits)`` the bytes of worker ``j``'s block:
@@ -68,8 +75,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from medseg.distributed.comm.checks import UpdateGuard, check_tensor, refuse_update
 from medseg.distributed.comm.compression import (
     DEFAULT,
+    SCALE_NBYTES,
     ErrorFeedback,
     check_bits,
     decode,
@@ -142,6 +151,10 @@ class CompressedAllreduce:
         self.transport = transport
         self.stage1 = ErrorFeedback(bits, self.clip)
         self.stage2 = ErrorFeedback(bits, self.clip)
+        self.scale_guards = (
+            UpdateGuard(f"compressed chunk scales ({name}, step 4)"),
+            UpdateGuard(f"compressed chunk scales ({name}, step 5)"),
+        )
         self.last_bytes_sent: float = 0.0
         self.last_bytes: dict[str, float] = {"alltoall": 0.0, "allgather": 0.0, "allreduce": 0.0}
 
@@ -241,9 +254,39 @@ class CompressedAllreduce:
         )
         return {k: out[k] for k in tensors}
 
+    def describe(self, j: int) -> str:
+        """Worker ``j`` of the group as errors name it."""
+        describe = getattr(self.transport, "describe", None)
+        return describe(j) if describe is not None else f"worker {j}"
+
+    def check_scales(self, buf: Tensor, layout: list[list[int]], index: int, stage: int) -> None:
+        """Check every sender's chunk scales in ``buf`` (sender j's encodings have the byte sizes
+        ``layout[j]``, back to back) by the norm rule, this worker's own (``index``) the reference."""
+        flat = buf.reshape(-1)
+        scales, offset = [], 0
+        for row in layout:
+            mine = []
+            for nbytes in row:
+                mine.append(flat[offset : offset + SCALE_NBYTES].clone().view(torch.float32)[0])
+                offset += nbytes
+            scales.append(torch.stack(mine).cpu() if mine else torch.zeros(0))
+        sources = [self.describe(j) for j in range(len(layout))]
+        for j, s in enumerate(scales):
+            if bool((s < 0).any()):
+                raise refuse_update(sources[j], self.scale_guards[stage].what, "a chunk scale is negative")
+        self.scale_guards[stage].check(scales, sources, own=index, shape=None)
+
     def _allreduce_small(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors.values()])
         avg = self.transport.allreduce_mean(flat, f"{self.name}.small")
+        # a sum does not say who sent what: the exact average of the small tensors must at least be finite
+        check_tensor(
+            avg,
+            "a worker of the group (an allreduce does not say which)",
+            f"{self.name} small tensors",
+            None,
+            None,
+        )
         parts = avg.split([t.numel() for t in tensors.values()])
         return {k: p.view(t.shape).to(t.dtype) for (k, t), p in zip(tensors.items(), parts)}
 
@@ -268,6 +311,8 @@ class CompressedAllreduce:
                 f"{per_source} from each of {n} workers; do all workers pass the same tensors?"
             )
 
+        self.check_scales(recv, [[own[k] for k in tensors]] * n, index, 0)
+
         # Average the N decoded copies of this worker's chunk (summed in rank order).
         sums = {k: torch.zeros(sizes[k][index], dtype=torch.float32, device=device) for k in tensors}
         offset = 0
@@ -285,6 +330,8 @@ class CompressedAllreduce:
                 f"compressed allreduce {self.name!r}: allgather returned {gathered.numel()} bytes, "
                 f"expected {sum(blocks)}"
             )
+        per_owner = [[encoded_nbytes(sizes[k][j], self.bits) for k in tensors] for j in range(n)]
+        self.check_scales(gathered, per_owner, index, 1)
         chunks: dict[str, list[Tensor]] = {k: [] for k in tensors}
         offset = 0
         for j in range(n):

@@ -65,6 +65,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from medseg.distributed.comm.checks import check_tensor
 from medseg.distributed.comm.collectives import CompressedAllreduce
 from medseg.distributed.comm.compression import DEFAULT, check_bits, encoded_nbytes, resolve_clip, split_sizes
 from medseg.errors import ConfigError
@@ -250,6 +251,13 @@ class HierarchicalCompressedAllreduce:
             part = small_parts[j]
             if part.numel() and self.n_sites > 1:
                 part = col.transport.allreduce_mean(part.contiguous(), f"{self.name}.col{j}.small")
+                check_tensor(
+                    part,
+                    f"a rank of {self.column_ranks[j]} (an allreduce does not say which)",
+                    f"{self.name} small tensors, shard {j}",
+                    None,
+                    None,
+                )
             mine += [done[key].reshape(-1) for key in cut.large] + [part]
         return torch.cat(mine) if mine else torch.zeros(0)
 

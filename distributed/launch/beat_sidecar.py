@@ -18,18 +18,63 @@ The helper imports only the standard library (it starts in about 50 ms and holds
 own TCP connection to the launcher, and exits when the rank exits, when it is re-parented (the rank
 died), or when the launcher cannot be reached for ``budget_s``. Beats carry no phase, so they never
 change the phase the rank itself reported. Run as ``python -I -S beat_sidecar.py HOST PORT RANK PID
-HOSTNAME NODE INTERVAL USER_TIMEOUT_MS``.
+HOSTNAME NODE INTERVAL USER_TIMEOUT_MS``, with the job secret in ``MEDSEG_JOB_SECRET`` (hex).
+
+The line format of every heartbeat (this helper's and the rank's own, :mod:`.heartbeat`), defined
+here because this file may import only the standard library::
+
+    <64 hex digits: HMAC-SHA256(job secret, "medseg-beat" NUL json)> SPACE <json> LF
+
+at most :data:`MAX_LINE` bytes. The JSON object carries ``sid`` (a random id of the sending process)
+and ``seq`` (1, 2, 3, ... per sender), so a line captured on the way and sent again is refused too.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
+import secrets
 import socket
 import sys
 import time
 
 STOPPED = {"T", "t", "Z", "X", "x"}
+DOMAIN = b"medseg-beat\x00"
+MAX_LINE = 64 * 1024  # bytes of one heartbeat line, newline included; longer ones are dropped
+SECRET_ENV = "MEDSEG_JOB_SECRET"
+MAC_HEX = 64
+
+
+def line_mac(secret: bytes, body: bytes) -> bytes:
+    """The hex HMAC-SHA256 that precedes ``body`` on a heartbeat line."""
+    return hmac.new(secret, DOMAIN + body, hashlib.sha256).hexdigest().encode()
+
+
+def signed_line(secret: bytes, record: dict) -> bytes:
+    """``record`` as one heartbeat line (see the module docstring)."""
+    body = json.dumps(record).encode()
+    return line_mac(secret, body) + b" " + body + b"\n"
+
+
+def opened_line(secret: bytes, line: bytes) -> bytes | None:
+    """The JSON body of a heartbeat line (no newline) when its MAC is valid, else None."""
+    tag, sep, body = line.partition(b" ")
+    if not sep or len(tag) != MAC_HEX:
+        return None
+    return body if hmac.compare_digest(tag, line_mac(secret, body)) else None
+
+
+class Sender:
+    """One sending process's ``sid`` and running ``seq``, signing its records."""
+
+    def __init__(self, secret: bytes) -> None:
+        self.secret, self.sid, self.seq = secret, secrets.token_hex(8), 0
+
+    def line(self, record: dict) -> bytes:
+        self.seq += 1
+        return signed_line(self.secret, {**record, "sid": self.sid, "seq": self.seq})
 
 
 def rank_state(pid: int) -> str | None:
@@ -62,15 +107,22 @@ def connect(addr: tuple[str, int], user_timeout_ms: int, budget_s: float) -> soc
     return None
 
 
-def beat_record(rank: int, host: str, node: str) -> bytes:
-    """The bytes of one beat (the same every time)."""
-    return (json.dumps({"rank": rank, "host": host, "node": node, "ev": "alive"}) + "\n").encode()
+def beat_record(rank: int, host: str, node: str) -> dict:
+    """The record of one beat (the same every time; its line differs by ``seq`` and MAC)."""
+    return {"rank": rank, "host": host, "node": node, "ev": "alive"}
 
 
 def run(
-    addr: tuple[str, int], rank: int, pid: int, host: str, node: str, interval: float, user_timeout_ms: int
+    addr: tuple[str, int],
+    rank: int,
+    pid: int,
+    host: str,
+    node: str,
+    interval: float,
+    user_timeout_ms: int,
+    secret: bytes,
 ) -> int:
-    beat = beat_record(rank, host, node)
+    record, sender = beat_record(rank, host, node), Sender(secret)
     sock = connect(addr, user_timeout_ms, budget_s=30.0)
     while sock is not None:
         if os.getppid() != pid:  # re-parented: the rank is gone
@@ -80,7 +132,7 @@ def run(
             return 0
         if state not in STOPPED:
             try:
-                sock.sendall(beat)
+                sock.sendall(sender.line(record))
             except OSError:
                 sock.close()
                 sock = connect(addr, user_timeout_ms, budget_s=5.0)
@@ -91,4 +143,10 @@ def run(
 
 if __name__ == "__main__":
     h, port, r, p, hostname, nodename, every, uto = sys.argv[1:9]
-    sys.exit(run((h, int(port)), int(r), int(p), hostname, nodename, float(every), int(uto)))
+    try:
+        key = bytes.fromhex(os.environ.get(SECRET_ENV, ""))
+    except ValueError:
+        key = b""
+    if not key:
+        sys.exit(f"beat helper: no job secret in {SECRET_ENV}; beats would be refused")
+    sys.exit(run((h, int(port)), int(r), int(p), hostname, nodename, float(every), int(uto), key))

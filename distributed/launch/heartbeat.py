@@ -26,6 +26,14 @@ A rank that is loading, profiling, validating or saving is never "hung" by rule 
 can take long, and while one rank is in them the others legitimately wait. They are bounded all
 the same (3. a rank in one such phase for ``long_phase_s`` = max(1800 s, 10 x ``timeout_s``) is
 named), so a deadlock there ends the job instead of holding the machines forever.
+
+Authenticated lines. Every line carries an HMAC-SHA256 made with the job secret
+(:mod:`medseg.distributed.comm.auth`; the format is in :mod:`.beat_sidecar`), a sender id and a
+sequence number. :class:`BeatServer` drops, and logs (at most once every few seconds, with a count),
+every line that is longer than ``MAX_LINE`` bytes, lacks a valid MAC, is not a JSON object with an
+integer ``rank``, or repeats a sequence number its sender already used: a forged or replayed
+``done`` phase or ``error`` changes nothing. It listens on the one address the job's ranks use to
+reach the launcher (loopback for a one-host job), not on every interface.
 """
 
 from __future__ import annotations
@@ -42,13 +50,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from medseg.distributed.comm import audit
+from medseg.distributed.comm import audit, auth
+from medseg.distributed.launch.beat_sidecar import MAX_LINE, Sender, opened_line
 
 log = logging.getLogger(__name__)
 BEAT_ADDR_ENV = "MEDSEG_BEAT_ADDR"
 BEAT_INTERVAL_S = 2.0
 START_GRACE_S = 180.0
 SILENT_AFTER_S = 3 * BEAT_INTERVAL_S  # a live rank's beat thread is never quiet this long
+MAX_MESSAGE = 16 * 1024  # characters of an error message a rank reports (the line limit is MAX_LINE)
+MAX_SENDERS = 64  # sender ids remembered per rank (a rank, its helper, their reconnects)
+DROP_LOG_S = 5.0  # dropped lines are logged at most this often (with how many since)
 
 
 @dataclass
@@ -63,18 +75,52 @@ class RankState:
     error: str = ""  # a MedsegError the rank reported before it stopped (its message is for the user)
 
 
+class LineSplitter:
+    """Cuts a byte stream into lines (without their newline) of at most ``limit`` bytes, newline
+    included. An over-long line comes out once as None and the rest of it is skipped, without ever
+    buffering more than ``limit`` bytes of it."""
+
+    def __init__(self, limit: int = MAX_LINE) -> None:
+        self.limit, self.buf, self.skipping = limit, b"", False
+
+    def feed(self, chunk: bytes) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        *lines, rest = (self.buf + chunk).split(b"\n")
+        for line in lines:
+            if self.skipping:
+                self.skipping = False  # the end of a line already reported as too long
+            elif len(line) + 1 > self.limit:
+                out.append(None)
+            else:
+                out.append(line)
+        if len(rest) + 1 > self.limit:
+            if not self.skipping:
+                out.append(None)
+            rest, self.skipping = b"", True
+        self.buf = rest
+        return out
+
+
 @dataclass
 class BeatServer:
-    """Accepts the ranks' connections and keeps each rank's state; appends records to ``ranks_dir``."""
+    """Accepts the ranks' connections and keeps each rank's state; appends records to ``ranks_dir``.
+
+    ``bind`` is the address the ranks reach the launcher on; ``secret`` the job secret their lines
+    are signed with (a fresh one when not given: pass ``server.secret`` to the ranks).
+    """
 
     ranks_dir: Path
-    bind: str = "0.0.0.0"
+    bind: str = "127.0.0.1"
+    secret: bytes = field(default_factory=auth.new_secret, repr=False)
     states: dict[int, RankState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.ranks_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._files: dict[int, Any] = {}
+        self._seen: dict[int, dict[str, int]] = {}  # rank -> sender id -> last sequence number
+        self.dropped = 0
+        self._drop_note: tuple[float, int] = (0.0, 0)  # (time of the last log line, drops since)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((self.bind, 0))
@@ -95,7 +141,7 @@ class BeatServer:
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(1.0)
-        buf = b""
+        lines = LineSplitter()
         with conn:
             while not self._stop.is_set():
                 try:
@@ -106,18 +152,51 @@ class BeatServer:
                     return
                 if not chunk:
                     return
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
-                    self._record(line)
+                for line in lines.feed(chunk):
+                    if line is None:
+                        self._drop(f"a line of more than {MAX_LINE} bytes")
+                    else:
+                        self._record(line)
+
+    def _drop(self, why: str) -> None:
+        """Count a refused line; log it, at most once every ``DROP_LOG_S`` (with the count since)."""
+        now = time.time()
+        with self._lock:
+            self.dropped += 1
+            last, since = self._drop_note
+            since += 1
+            if now - last < DROP_LOG_S:
+                self._drop_note = (last, since)
+                return
+            self._drop_note = (now, 0)
+        log.warning("heartbeat endpoint: dropped %s (%d line(s) dropped since the last note)", why, since)
 
     def _record(self, line: bytes) -> None:
+        body = opened_line(self.secret, line)
+        if body is None:
+            self._drop("a line without a valid job-secret MAC (forged, or from another job)")
+            return
         try:
-            rec = json.loads(line)
+            rec = json.loads(body)
             rank = int(rec["rank"])
-        except (ValueError, KeyError, TypeError):
+            sid, seq = str(rec["sid"])[:32], int(rec["seq"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            self._drop("a signed line that is not a heartbeat record")
+            return
+        if not isinstance(rec, dict) or not 0 <= rank < 1 << 20:
+            self._drop("a signed line that is not a heartbeat record")
             return
         now = time.time()
+        with self._lock:
+            senders = self._seen.setdefault(rank, {})
+            if seq <= senders.get(sid, 0) or (sid not in senders and len(senders) >= MAX_SENDERS):
+                replayed = True
+            else:
+                replayed = False
+                senders[sid] = seq
+        if replayed:
+            self._drop(f"a replayed or surplus line of rank {rank}")
+            return
         with self._lock:
             st = self.states.get(rank)
             if st is None:
@@ -136,7 +215,7 @@ class BeatServer:
                 f = self._files.get(rank)
                 if f is None:
                     f = self._files[rank] = open(self.ranks_dir / f"rank-{rank}.jsonl", "a", buffering=1)  # noqa: SIM115
-                f.write(line.decode() + "\n")
+                f.write(body.decode(errors="replace") + "\n")
 
     def snapshot(self) -> dict[int, RankState]:
         with self._lock:
@@ -222,9 +301,13 @@ class Watchdog:
 
 
 class BeatClient:
-    """A rank's side: one connection to the launcher, a liveness thread, ``send`` for records."""
+    """A rank's side: one connection to the launcher, a liveness thread, ``send`` for records.
 
-    def __init__(self, rank: int, addr: str | None = None) -> None:
+    Lines are signed with the job secret (``secret``, default ``MEDSEG_JOB_SECRET``; required when
+    there is a launcher to report to).
+    """
+
+    def __init__(self, rank: int, addr: str | None = None, secret: bytes | None = None) -> None:
         self.rank = rank
         self.host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
         self.node = socket.gethostname()
@@ -238,6 +321,9 @@ class BeatClient:
         if addr:
             host, _, port = addr.rpartition(":")
             self.addr = (host, int(port))
+            self._secret = secret if secret is not None else auth.job_secret()
+            assert self._secret is not None
+            self._sender = Sender(self._secret)
             self._connect()
             self._thread = threading.Thread(target=self._beat, name="medseg-beat", daemon=True)
             self._thread.start()
@@ -267,12 +353,18 @@ class BeatClient:
         assert self.addr is not None
         user_timeout_ms = int(float(os.environ.get("MEDSEG_BEAT_TIMEOUT_S", "60")) * 1000)
         args = [self.addr[0], self.addr[1], self.rank, os.getpid(), self.host, self.node, BEAT_INTERVAL_S]
-        self.sidecar_beat = beat_sidecar.beat_record(self.rank, self.host, self.node)
+        self.sidecar_beat = Sender(self._secret).line(
+            beat_sidecar.beat_record(self.rank, self.host, self.node)
+        )
         try:
             return subprocess.Popen(
                 [sys.executable, "-I", "-S", beat_sidecar.__file__, *map(str, args), str(user_timeout_ms)],
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
+                env={
+                    **os.environ,
+                    **auth.secret_env(self._secret),
+                },  # never in argv, which /proc shows to all
             )
         except OSError as exc:  # the thread's beats remain
             log.warning("rank %d: no heartbeat helper process (%s)", self.rank, exc)
@@ -303,11 +395,22 @@ class BeatClient:
             return
         rec = {"rank": self.rank, "host": self.host, "node": self.node, "phase": self.phase, **record}
         rec.setdefault("t", round(time.time(), 3))
-        data = (json.dumps(rec) + "\n").encode()
-        log_ = audit.current()  # a report leaves the site too: it goes in its audit log
-        if log_ is not None:
-            log_.sent_report(data)
-        with self._lock:
+        if isinstance(rec.get("message"), str) and len(rec["message"]) > MAX_MESSAGE:
+            rec["message"] = rec["message"][:MAX_MESSAGE] + " [...]"
+        with (
+            self._lock
+        ):  # numbered and sent under one lock: the server refuses a sequence number out of order
+            data = self._sender.line(rec)
+            if len(data) > MAX_LINE:
+                log.warning(
+                    "rank %d: a heartbeat record of %d bytes is over the limit; not sent",
+                    self.rank,
+                    len(data),
+                )
+                return
+            log_ = audit.current()  # a report leaves the site too: it goes in its audit log
+            if log_ is not None:
+                log_.sent_report(data)
             for _ in range(2):
                 if self._sock is None:
                     self._connect(budget_s=5.0)

@@ -16,9 +16,14 @@ continues from it. Horovod's own stall shutdown is switched off (the watchdog de
 Horovod's Gloo timeout is raised to ``dist.timeout_s`` + 60 s so that a long collective is not
 killed by Horovod's 30 s default before the watchdog has looked at it.
 
+Every attempt gets a fresh job secret (:mod:`medseg.distributed.comm.auth`), handed to the ranks in
+their launch environment only (``MEDSEG_JOB_SECRET``; never logged, never in the run folder): the
+ranks sign their heartbeats with it and authenticate the values in their channel's store.
+
 Environment the launcher reads: ``MEDSEG_BEAT_HOST`` (the address ranks use to reach this process;
-default 127.0.0.1 for a single-host job, else this host's name), ``MEDSEG_HOROVODRUN_ARGS`` (extra
-horovodrun arguments, e.g. ``--network-interfaces br0``, used by the site testbed).
+default 127.0.0.1 for a single-host job, else this machine's address on the route to the first
+host), ``MEDSEG_HOROVODRUN_ARGS`` (extra horovodrun arguments, e.g. ``--network-interfaces br0``,
+used by the site testbed). The heartbeat endpoint listens on that one address only.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from medseg.config import Config
+from medseg.distributed.comm import auth
 from medseg.distributed.launch.heartbeat import BEAT_ADDR_ENV, BeatServer, RankState, Watchdog, describe
 from medseg.errors import ConfigError, RunError
 
@@ -279,8 +285,15 @@ def _attempt(
     cmd = [*horovodrun_command(), "-np", str(np_), "-H", hosts_arg, "--gloo", "--start-timeout", "60"]
     cmd += shlex.split(os.environ.get("MEDSEG_HOROVODRUN_ARGS", ""))
     cmd += worker_command(config_path, overrides, resume)
-    beats = BeatServer(ranks_dir)
-    env = _rank_env(beats.port, single_host, timeout)
+    beat_host = _beat_host(single_host, hosts_arg)
+    try:
+        beats = BeatServer(ranks_dir, bind=_bind_address(beat_host), secret=auth.new_secret())
+    except OSError as exc:
+        raise RunError(
+            f"heartbeat endpoint: cannot listen on {beat_host} ({exc}); set MEDSEG_BEAT_HOST to this "
+            "machine's address that the ranks reach it on"
+        ) from None
+    env = _rank_env(beat_host, beats.port, timeout, beats.secret)
     log.info("launching %d ranks: %s", np_, " ".join(cmd))
     proc = subprocess.Popen(
         cmd,
@@ -310,10 +323,39 @@ def _attempt(
     return _failed(proc.returncode, exits, states, reported)
 
 
-def _rank_env(beat_port: int, single_host: bool, timeout: float) -> dict[str, str]:
-    """horovodrun's environment, which its ranks inherit: how to reach the launcher, and timeouts."""
-    beat_host = os.environ.get("MEDSEG_BEAT_HOST") or ("127.0.0.1" if single_host else socket.getfqdn())
+def _beat_host(single_host: bool, hosts_arg: str) -> str:
+    """The address the ranks reach this launcher on: ``MEDSEG_BEAT_HOST``; loopback for a one-host
+    job; else this machine's source address on the route to the first host (its name as a fallback)."""
+    explicit = os.environ.get("MEDSEG_BEAT_HOST")
+    if explicit:
+        return explicit
+    if single_host:
+        return "127.0.0.1"
+    first = hosts_arg.split(",")[0].rpartition(":")[0]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((first, 9))  # no packet is sent: this only picks the route
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.getfqdn()
+
+
+def _bind_address(beat_host: str) -> str:
+    """The local IPv4 address the heartbeat endpoint listens on (``beat_host`` resolved)."""
+    try:
+        return socket.gethostbyname(beat_host)
+    except OSError as exc:
+        raise RunError(
+            f"heartbeat endpoint: cannot resolve {beat_host!r} ({exc}); set MEDSEG_BEAT_HOST to this "
+            "machine's address that the ranks reach it on"
+        ) from None
+
+
+def _rank_env(beat_host: str, beat_port: int, timeout: float, secret: bytes) -> dict[str, str]:
+    """horovodrun's environment, which its ranks inherit: how to reach the launcher, the job
+    secret, and timeouts."""
     env = dict(os.environ, **{WORKER_ENV: "1", "PYTHONUNBUFFERED": "1"})
+    env.update(auth.secret_env(secret))
     env[BEAT_ADDR_ENV] = f"{beat_host}:{beat_port}"
     env["MEDSEG_BEAT_TIMEOUT_S"] = str(int(timeout) + 30)  # a rank cut off from the launcher stops after this
     env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = "0"

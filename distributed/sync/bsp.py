@@ -10,6 +10,7 @@ import torch
 
 from medseg.distributed.comm import audit
 from medseg.distributed.comm.channel import Channel, HorovodTransport
+from medseg.distributed.comm.checks import check_tensor
 from medseg.distributed.comm.collectives import CompressedAllreduce
 from medseg.distributed.comm.site_allreduce import HierarchicalCompressedAllreduce
 from medseg.distributed.sync.common import SyncedOptimizer, assign, flat, ring_allreduce_bytes
@@ -115,6 +116,7 @@ class BulkSynchronous(SyncedOptimizer):
             averaged = codes(grads)
             for n, p in self.named:
                 p.grad = averaged[n]
+            self.check_step()
             self.base.step()
             sent = codes.last_bytes_sent
             if self.hier is not None:
@@ -125,9 +127,19 @@ class BulkSynchronous(SyncedOptimizer):
                 wan = parts["alltoall"] * self.alltoall_wan_share + (
                     parts["allgather"] + parts["allreduce"] if self.crosses else 0.0
                 )
+        elif self.size > 1:
+            # Horovod's allreduce has finished only after synchronize(); check the averaged
+            # gradients (a rank whose loss was NaN/Inf poisons them all) before stepping
+            self.optimizer.synchronize()
+            self.check_step()
+            with self.optimizer.skip_synchronize():
+                self.optimizer.step()
+            sent = ring_allreduce_bytes(self.numel, self.elem, self.size)
+            wan = sent if self.crosses else 0.0
         else:
+            self.check_step()
             self.optimizer.step()
-            sent = ring_allreduce_bytes(self.numel, self.elem, self.size) if self.size > 1 else 0
+            sent = 0
             wan = sent if self.crosses else 0.0
         self.stats.step_site_s = time.perf_counter() - tic
         self.stats.bytes_sent += int(sent)
@@ -145,6 +157,14 @@ class BulkSynchronous(SyncedOptimizer):
     def end_epoch(self) -> None:
         if self.buffers and self.size > 1:
             vector = self.hvd.allreduce(flat(self.buffers), op=self.hvd.Average, name="medseg.buffers")
+            # Horovod's allreduce does not say which rank sent what: the average must at least be finite
+            check_tensor(
+                vector,
+                "a rank (Horovod's allreduce does not say which)",
+                "epoch-end buffer average",
+                None,
+                None,
+            )
             assign(self.buffers, vector)
             sent = ring_allreduce_bytes(vector.numel(), 4, self.size)
             self.stats.bytes_sent += int(sent)

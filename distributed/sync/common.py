@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from medseg.distributed.comm.channel import Channel
+from medseg.distributed.comm.checks import UpdateGuard, UpdateRefused, check_gradients, refuse_update
 from medseg.distributed.comm.collectives import CompressedAllreduce
 
 ring_allreduce_bytes = CompressedAllreduce.ring_allreduce_bytes
@@ -123,6 +124,7 @@ class SyncedOptimizer:
         self.numel = sum(p.numel() for p in self.params)
         self.stats = StepStats()
         self.events: list[tuple] = []
+        self.who = "this rank"  # how errors name this rank (the session sets ``rank 2 (site b)``)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -146,34 +148,121 @@ class SyncedOptimizer:
         """Restore :meth:`sync_state` (a resumed run continues the residuals)."""
 
     def step(self) -> None:
+        self.check_step()
         self.optimizer.step()
         self.stats.steps += 1
+
+    def check_step(self) -> None:
+        """Refuse a step whose gradients are not finite (the training loss was NaN or Inf): nothing is
+        stepped, sent or checkpointed after it (:func:`~medseg.distributed.comm.checks.check_gradients`)."""
+        check_gradients([p for g in self.base.param_groups for p in g["params"]], self.who)
 
     def end_epoch(self) -> None:
         """Called by every rank at the end of an epoch (a collective for some strategies)."""
 
 
-def average_model(channel: Channel, tensors: list[torch.Tensor], stats: StepStats) -> None:
+ROUND_FLOOR = 1e-4  # the norm rule's floor for model changes, relative to the model's norm
+
+
+class AverageCheck:
+    """The checks on the sites' parts of a model average (:mod:`medseg.distributed.comm.checks`).
+
+    A site's part is its group mean m_h; what is checked is its change since the last common model
+    c (the previous average, or the start): u_h = m_h − c, against this site's own u_own = m_own − c,
+    by the norm rule with floor ``ROUND_FLOOR · ||c||``. After every average c becomes the result.
+    """
+
+    def __init__(
+        self, channel: Channel, tensors: list[torch.Tensor], what: str = "part of the model average"
+    ) -> None:
+        self.guard = UpdateGuard(what)
+        self.sources = [channel.describe(g[0]) for g in channel.groups]
+        self.common = flat(tensors).clone() if tensors else torch.zeros(0)
+
+    def __call__(self, parts: list[torch.Tensor], own: int) -> None:
+        # a part of the wrong shape or dtype goes to the guard as it is (and is refused there)
+        same = [p.shape == self.common.shape and p.dtype == self.common.dtype for p in parts]
+        changes = [p - self.common if ok else p for p, ok in zip(parts, same)]
+        floor = ROUND_FLOOR * float(self.common.norm())
+        self.guard.check(changes, self.sources, own=own, shape=tuple(self.common.shape), floor=floor)
+
+
+def leaders_verdict(
+    channel: Channel,
+    payload: torch.Tensor | None,
+    error: UpdateRefused | None,
+    sources: list[str],
+    numel: int,
+    what: str,
+) -> torch.Tensor:
+    """The leader's checked result (``payload``) and verdict to every member of its group.
+
+    Members receive ``[payload, verdict]`` in one in-site broadcast (verdict 0: accepted; h + 1: the
+    leader refused group h's part), so every member of the site stops with the leader, naming the
+    same site, and none applies anything. Returns the payload; raises on a refusal.
+    """
+    verdict = 0.0 if error is None else float(sources.index(error.source) + 1)
+    if len(channel.group) > 1:
+        box = torch.empty(numel + 1)
+        if channel.is_leader:
+            box[:numel] = payload if payload is not None else 0.0
+            box[numel] = verdict
+        channel.group_broadcast(box)
+        payload, verdict = box[:numel], float(box[numel])
+    if error is not None:
+        raise error
+    if verdict:
+        raise refuse_update(
+            sources[int(verdict) - 1],
+            what,
+            f"refused by this site's leader, {channel.describe(channel.leader)}, whose log has the numbers",
+        )
+    assert payload is not None
+    return payload
+
+
+def average_model(
+    channel: Channel, tensors: list[torch.Tensor], stats: StepStats, check: AverageCheck | None = None
+) -> None:
     """Every rank replaces ``tensors`` by their average over all ranks, x ← (1/N) Σ_r x_r, one WAN
     copy per group.
 
-    Members average in their group; the leaders allreduce |g|·(group mean) and divide by N (the
-    same rank-weighted mean as a global allreduce); each leader broadcasts the result in its group.
+    Members average in their group; the leaders allgather their group means m_h, check every site's
+    part (``check``, :class:`AverageCheck`), and each forms Σ_h |g_h|·m_h / N in group order (the
+    same rank-weighted mean as a global allreduce, bit-identical on every leader); each leader
+    broadcasts the result in its group. An allgather rather than an allreduce, so that each site's
+    part can be checked and a failing site named: a leader sends (G−1)·4n bytes instead of a ring
+    allreduce's 2(G−1)/G·4n (the same for two sites).
     """
     if not tensors:
         return
     tic = time.perf_counter()
     vector = flat(tensors)
     channel.group_mean_(vector)
-    if len(channel.groups) > 1 and channel.leaders_pg is not None:
-        vector *= len(channel.group)
-        channel.leaders_pg.allreduce_(vector, kind="parameters")
-        vector /= channel.size
-        sent = int(ring_allreduce_bytes(vector.numel(), 4, len(channel.groups)))
-        stats.bytes_sent += sent
-        stats.wan_bytes += sent
-    channel.group_broadcast(vector)
+    if len(channel.groups) > 1:
+        error, total = None, None
+        if channel.leaders_pg is not None:
+            parts = [torch.empty_like(vector) for _ in channel.groups]
+            channel.leaders_pg.allgather(parts, vector, kind="parameters")
+            sent = (len(channel.groups) - 1) * vector.numel() * 4  # ring allgather
+            stats.bytes_sent += sent
+            stats.wan_bytes += sent
+            try:
+                if check is not None:
+                    check(parts, channel.groups.index(channel.group))
+                total = torch.zeros_like(vector)
+                for g, part in zip(channel.groups, parts):
+                    total += len(g) * part
+                total /= channel.size
+            except UpdateRefused as exc:
+                error = exc
+        sources = check.sources if check is not None else [channel.describe(g[0]) for g in channel.groups]
+        vector = leaders_verdict(channel, total, error, sources, vector.numel(), "part of the model average")
+    else:
+        channel.group_broadcast(vector)
     assign(tensors, vector)
+    if check is not None:
+        check.common = vector.clone()
     stats.wan_wait_s += time.perf_counter() - tic
 
 

@@ -11,13 +11,17 @@ from typing import Any
 import torch
 
 from medseg.distributed.comm.channel import Channel, TorchTransport
+from medseg.distributed.comm.checks import UpdateGuard, UpdateRefused
 from medseg.distributed.comm.collectives import CompressedAllreduce
 from medseg.distributed.comm.compression import ErrorFeedback, decode, encoded_nbytes
 from medseg.distributed.sync.common import (
+    ROUND_FLOOR,
+    AverageCheck,
     SyncedOptimizer,
     assign,
     average_model,
     flat,
+    leaders_verdict,
     load_local,
     ring_allreduce_bytes,
     site_average,
@@ -100,7 +104,7 @@ class GroupAverage:
 class _Round:
     r: int
     work: Any  # the leaders' async work handle (None on non-leaders)
-    buf: Any  # what the work fills: the sum (none) or the list of gathered codes (fixed)
+    buf: Any  # what the work fills: every group's Δ_h (none) or its codes (fixed), in group order
     own: torch.Tensor  # Δ_g(r) as the other groups will see it
     w_then: torch.Tensor | None
 
@@ -118,15 +122,19 @@ class GroupStale(SyncedOptimizer):
        process group (:class:`GroupAverage`, exact), so every member holds the same w, and the
        optimizer steps.
     2. Every ``period_g`` steps, at the end of the group's round k, it submits its own change since
-       its previous submission, Δ_g(k) = w − a: the leader starts an asynchronous allreduce of
-       c_g Δ_g(k) over the leaders' group, S(k) = Σ_h c_h Δ_h(k) (the groups' weighted mean
-       change), and the group trains on; a ← w.
+       its previous submission, Δ_g(k) = w − a: the leader starts an asynchronous allgather of
+       Δ_g(k) over the leaders' group, from which S(k) = Σ_h c_h Δ_h(k) (the groups' weighted mean
+       change, summed in group order) is formed once every Δ_h(k) has been checked, and the group
+       trains on; a ← w.
     3. The leader then decides how many of the oldest pending rounds to apply now,
        n = max(#completed, #forced), where round r is *forced* when r ≤ k − s, and tells its group
        (an in-site broadcast, so the members stay identical).
-    4. For each applied round r the leader waits for S(r) (a forced round waits until the slowest
-       group has submitted it) and broadcasts it in its site; every member then moves from its own
-       change to the mean change, weighted down by its staleness τ = k − r::
+    4. For each applied round r the leader waits for every Δ_h(r) (a forced round waits until the
+       slowest group has submitted it), checks each (:mod:`medseg.distributed.comm.checks`: finite,
+       the model's shape, ||Δ_h|| within K times that site's recent round norms or this site's own
+       ||Δ_g(r)||; a refused round stops the job naming the site, and nothing is applied), forms S(r)
+       and broadcasts it in its site with its verdict; every member then moves from its own change
+       to the mean change, weighted down by its staleness τ = k − r::
 
            u = (S(r) − Δ_g(r)) / max(τ, 1);   w ← w + u;   a ← a + u.
 
@@ -159,8 +167,13 @@ class GroupStale(SyncedOptimizer):
     by layer with the same error-feedback residual (what a round does not carry is added to the
     next; the members' inputs are identical, so are their codes and residuals), the leaders
     ``all_gather`` the G encodings asynchronously, and Δ_g is then the decoded value, the same on
-    every rank; each group forms S(r) = Σ_h c_h Δ_h(r) from the decoded changes in group order
-    (:func:`decode_layers`).
+    every rank; each leader decodes every group's change (:func:`decode_layers`; a non-finite chunk
+    scale decodes to non-finite values and is refused), checks them as above and forms
+    S(r) = Σ_h c_h Δ_h(r) in group order.
+
+    Bytes: a leader sends (G − 1)·4n bytes per float32 round (ring allgather; a ring allreduce of
+    the sum would send 2(G − 1)/G·4n, the same for two groups, but would not show which site sent
+    what), (G − 1)·block with codes.
 
     With one group and s = 0, gssp reduces to synchronous data parallelism: nothing is received
     from other groups (S − Δ_g = 0) and the parameters equal bsp's
@@ -229,6 +242,13 @@ class GroupStale(SyncedOptimizer):
         self.bits = bits
         self.layer_sizes = [p.numel() for p in self.params]
         self.block = sum(encoded_nbytes(n, bits) for n in self.layer_sizes)
+        # checks on what the other sites send (medseg.distributed.comm.checks)
+        self.group_index = channel.groups.index(channel.group)
+        self.sources = [channel.describe(g[0]) for g in channel.groups]
+        self.round_guard = UpdateGuard("cross-site round")
+        self.average_check = AverageCheck(
+            channel, self.params + self.buffers, "part of the epoch-end average"
+        )
 
     # -- per step -------------------------------------------------------------------------------
     def step(self) -> None:
@@ -238,6 +258,7 @@ class GroupStale(SyncedOptimizer):
         self.stats.step_site_s = time.perf_counter() - tic
         self.stats.site_s += self.stats.step_site_s
         self.stats.step_wan_s = 0.0
+        self.check_step()  # a diverged loss stops here, before it is stepped or sent
         self.optimizer.step()
         self.stats.steps += 1
         self.local_steps += 1
@@ -255,9 +276,9 @@ class GroupStale(SyncedOptimizer):
             self.on_event({"ev": "submit", "round": k, "t": time.time()})  # before the op can complete
         if self.coded is None:
             if self.leader:
-                buf = own * self.own_weight
-                work = self.channel.leaders_pg.allreduce_(buf, async_op=True, kind="model-change")
-                self._count_leaders(ring_allreduce_bytes(self.numel, 4, self.n_groups))
+                buf = [torch.empty_like(own) for _ in range(self.n_groups)]
+                work = self.channel.leaders_pg.allgather(buf, own, async_op=True, kind="model-change")
+                self._count_leaders((self.n_groups - 1) * self.numel * 4)  # ring allgather
         else:
             codes, own = self.coded.compress_chunks("delta", own, self.layer_sizes)
             if self.leader:
@@ -302,25 +323,31 @@ class GroupStale(SyncedOptimizer):
             )
 
     def _received(self, e: _Round) -> torch.Tensor:
-        """S(r) = Σ_h c_h Δ_h(r): the leader waits for it, then its group receives it in-site."""
-        if self.coded is None:
-            total = e.buf if self.leader else torch.empty(self.numel)
-            if self.leader:
-                e.work.wait()
-            self.channel.group_broadcast(total)
-            return total
-        gathered = (
-            torch.cat(e.buf) if self.leader else torch.empty(self.n_groups * self.block, dtype=torch.uint8)
-        )
+        """S(r) = Σ_h c_h Δ_h(r): the leader waits for every Δ_h(r), checks them, and its group
+        receives S(r) with the verdict in-site (:func:`~medseg.distributed.sync.common.leaders_verdict`)."""
+        total, error = None, None
         if self.leader:
             e.work.wait()
-            gathered = torch.cat(e.buf)
-        self.channel.group_broadcast(gathered)
+            try:
+                total = self._checked_mean(e)
+            except UpdateRefused as exc:
+                error = exc
+        return leaders_verdict(self.channel, total, error, self.sources, self.numel, "cross-site round")
+
+    def _changes(self, e: _Round) -> list[torch.Tensor]:
+        """Every group's Δ_h(r) as received (decoded from its codes with ``compression: fixed``)."""
+        if self.coded is None:
+            return list(e.buf)
+        return [decode_layers(codes, self.layer_sizes, self.bits) for codes in e.buf]
+
+    def _checked_mean(self, e: _Round) -> torch.Tensor:
+        """S(r) from every group's checked Δ_h(r), in group order; UpdateRefused names a failing site."""
+        changes = self._changes(e)
+        floor = ROUND_FLOOR * float(self.anchor.norm())
+        self.round_guard.check(changes, self.sources, own=self.group_index, shape=(self.numel,), floor=floor)
         total = torch.zeros(self.numel)
-        for h, start in enumerate(range(0, gathered.numel(), self.block)):
-            total += self.weights[h] * decode_layers(
-                gathered[start : start + self.block], self.layer_sizes, self.bits
-            )
+        for h, delta in enumerate(changes):
+            total += self.weights[h] * delta
         return total
 
     def _apply(self, e: _Round, boundary: int) -> None:
@@ -346,7 +373,7 @@ class GroupStale(SyncedOptimizer):
                 average_model(self.channel, self.buffers + self.local_buffers, self.stats)
             return
         self._apply_due(final=True)
-        average_model(self.channel, self.params + self.buffers, self.stats)
+        average_model(self.channel, self.params + self.buffers, self.stats, self.average_check)
         site_average(self.channel, self.local_buffers)
         self.events.append(("average", self.rounds - 1))
         self.anchor = flat(self.params).clone()

@@ -7,7 +7,13 @@ from typing import Any
 import torch
 
 from medseg.distributed.comm.channel import Channel
-from medseg.distributed.sync.common import SyncedOptimizer, average_model, load_local, site_average
+from medseg.distributed.sync.common import (
+    AverageCheck,
+    SyncedOptimizer,
+    average_model,
+    load_local,
+    site_average,
+)
 
 
 class LocalSGD(SyncedOptimizer):
@@ -25,6 +31,11 @@ class LocalSGD(SyncedOptimizer):
        group crosses the WAN).
     3. With ``local_norm`` the normalisation layers' parameters and buffers are averaged in the site
        only (:func:`~medseg.distributed.sync.common.site_average`).
+
+    Every site's part of an average is checked before it is used
+    (:class:`~medseg.distributed.sync.common.AverageCheck`: finite, the model's shape, its change
+    since the last average within K times that site's recent changes or this site's own), and a
+    step with a non-finite gradient (a diverged loss) is refused before it is taken.
 
     Every rank steps its own optimizer, so :meth:`sync_state` holds its optimizer state.
 
@@ -48,20 +59,22 @@ class LocalSGD(SyncedOptimizer):
         self.channel, self.period = channel, period
         buffer_ids = {id(b) for b in self.local_buffers}
         self.local_params = [t for t in self.local.values() if id(t) not in buffer_ids]
+        self.average_check = AverageCheck(channel, self.params + self.buffers, "part of the model average")
 
     def step(self) -> None:
+        self.check_step()
         self.optimizer.step()
         self.stats.steps += 1
         if self.stats.steps % self.period == 0:
             before = self.stats.wan_wait_s
-            average_model(self.channel, self.params + self.buffers, self.stats)
+            average_model(self.channel, self.params + self.buffers, self.stats, self.average_check)
             site_average(self.channel, self.local_params + self.local_buffers)
             self.stats.step_wan_s = self.stats.wan_wait_s - before
         else:
             self.stats.step_wan_s = 0.0
 
     def end_epoch(self) -> None:
-        average_model(self.channel, self.params + self.buffers, self.stats)
+        average_model(self.channel, self.params + self.buffers, self.stats, self.average_check)
         site_average(self.channel, self.local_params + self.local_buffers)
 
     def sync_state(self) -> dict[str, Any]:

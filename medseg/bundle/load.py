@@ -74,7 +74,7 @@ def read_settings(root: str | Path) -> dict[str, Any]:
     root = Path(root)
     if (root / SETTINGS).is_file():
         return json.loads((root / SETTINGS).read_text())
-    return json.loads((root / "configs" / "inference.json").read_text())["medseg"]
+    return json.loads((root / INFERENCE).read_text())["medseg"]
 
 
 def read_network_def(root: str | Path, trust: bool = False) -> dict[str, Any]:
@@ -85,7 +85,7 @@ def read_network_def(root: str | Path, trust: bool = False) -> dict[str, Any]:
     path = Path(root) / INFERENCE
     try:
         inference = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise RunError(
             f"{path}: cannot be read as JSON ({type(exc).__name__}: {exc}); export the bundle again by training"
         ) from None
@@ -133,6 +133,7 @@ def load_bundle(path: str | Path, device: str | torch.device = "cpu", trust: boo
         ConfigError,
         RuntimeError,
         EOFError,
+        RecursionError,
     ) as exc:
         raise RunError(
             f"{root}: bundle is damaged or incomplete ({type(exc).__name__}: {exc}); export it again by training"

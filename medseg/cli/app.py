@@ -9,7 +9,7 @@ from pathlib import Path
 def _app(args: argparse.Namespace) -> None:
     from medseg.apps.launch import serve
 
-    serve(args.runs or [Path("runs")], args.port)
+    serve(args.runs or [Path("runs")], args.port, args.address)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -21,5 +21,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         help="folder of runs to list models from (default runs; repeatable)",
     )
-    s.add_argument("--port", type=int, default=8501, help="port on localhost (default 8501)")
+    s.add_argument("--port", type=int, default=8501, help="port to listen on (default 8501)")
+    s.add_argument(
+        "--address",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; the page has no login, so "
+        "bind another only behind a reverse proxy with the hospital's login and TLS, see README)",
+    )
     s.set_defaults(func=_app)

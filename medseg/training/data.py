@@ -19,6 +19,7 @@ from monai.data import CacheDataset, DataLoader, Dataset, PersistentDataset
 from monai.data.utils import json_hashing
 from torch.utils.data import RandomSampler
 
+from medseg.checkpoint import allow_cache_globals
 from medseg.config import Config
 from medseg.datasets import checks
 from medseg.datasets.decathlon import DatasetInfo, load_dataset, split_train_val
@@ -47,14 +48,15 @@ def _dataset(cfg: Config, items: list[dict], chain: mt.Compose, tag: str) -> Dat
         )
     if cfg.data.cache == "disk":
         cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else cfg.run_dir / "cache"
-        # track_meta keeps the affine in the cached MetaTensors (it needs full unpickling of our own
-        # cache files); hashing the transforms makes a changed spacing or window miss the old cache.
+        # track_meta keeps the affine in the cached MetaTensors (read weights-only, with the numpy
+        # header fields allowed); hashing the transforms makes a changed spacing or window miss the old cache.
+        allow_cache_globals()
         return PersistentDataset(
             items,
             chain,
             cache_dir=cache_dir / tag,
             track_meta=True,
-            weights_only=False,
+            weights_only=True,
             hash_transform=json_hashing,
         )
     return Dataset(items, chain)

@@ -379,7 +379,7 @@ def test_cli_app_refuses_a_missing_runs_folder(tmp_path, capsys) -> None:
     assert "no such folder" in capsys.readouterr().err
 
 
-# --- issue 14: workflow fixes and trust signals ----------------------------------------------------
+# --- workflow fixes and trust signals ------------------------------------------------------------
 
 
 def _blank_uids(folder: Path) -> None:

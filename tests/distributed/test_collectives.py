@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,7 @@ def test_hierarchical_compressed_allreduce_multi_rank(sites: str, reduction: int
     error-feedback invariant shard by shard, LAN/WAN bytes = the formula, WAN bytes about 1/12 of
     float32 ring allreduce's."""
     n = len(sites.replace("/", ",").split(","))
-    env = dict(os.environ)
+    env = dict(os.environ, MEDSEG_JOB_SECRET=secrets.token_hex(32))  # the channel's store values carry MACs
     env["PATH"] = f"{HOROVODRUN.parent}{os.pathsep}{env.get('PATH', '')}"
     cmd = [str(HOROVODRUN), "-np", str(n), "-H", f"localhost:{n}", "--gloo", "python", str(HIER_SCRIPT)]
     proc = subprocess.run([*cmd, sites, str(reduction)], env=env, capture_output=True, text=True, timeout=240)

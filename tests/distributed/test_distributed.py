@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,7 +25,8 @@ BIN = Path(sys.executable).parent
 
 
 def horovodrun(np_: int, script: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
+    # a plain horovodrun line (no launcher): the ranks' channel needs a job secret all the same
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", MEDSEG_JOB_SECRET=secrets.token_hex(32))
     cmd = [
         str(BIN / "horovodrun"),
         "-np",

@@ -1,15 +1,22 @@
-"""Liveness beats come from a helper process: a rank holding the GIL still beats, a stopped one does not."""
+"""Liveness beats come from a helper process: a rank holding the GIL still beats, a stopped one does not;
+only lines signed with the job secret count."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
+from medseg.distributed.launch.beat_sidecar import MAX_LINE, signed_line
 from medseg.distributed.launch.heartbeat import BEAT_INTERVAL_S, BeatServer
 
 RANK = textwrap.dedent(
@@ -60,6 +67,7 @@ def test_a_rank_holding_the_gil_beats_and_a_stopped_one_does_not(tmp_path: Path)
         [sys.executable, "-c", RANK, f"127.0.0.1:{server.port}", str(int(hold_s))],
         stdout=subprocess.PIPE,
         text=True,
+        env={**os.environ, "MEDSEG_JOB_SECRET": server.secret.hex()},  # as the launcher hands it over
     )
     sidecars = lambda: _processes_with(f"beat_sidecar.py\x00127.0.0.1\x00{server.port}\x00")  # noqa: E731
     try:
@@ -80,6 +88,97 @@ def test_a_rank_holding_the_gil_beats_and_a_stopped_one_does_not(tmp_path: Path)
         server.close()
     # the helper ends with its rank
     assert _wait_until(lambda: not sidecars(), 4 * BEAT_INTERVAL_S), "the beat helper outlived its rank"
+
+
+def _send(port: int, data: bytes) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(data)
+
+
+def _line(secret: bytes, record: dict, seq: int, sid: str = "a1") -> bytes:
+    return signed_line(secret, {**record, "sid": sid, "seq": seq})
+
+
+def test_forged_replayed_and_oversize_heartbeats_change_nothing_and_are_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only lines signed with the job secret count: a forged "done" or "error" (no MAC, another
+    secret's MAC), a replayed line and an over-long line are dropped and logged; a genuine line
+    after them still counts."""
+    server = BeatServer(tmp_path / "ranks", bind="127.0.0.1")
+    assert server._sock.getsockname()[0] == "127.0.0.1"  # the job's address only, not 0.0.0.0
+    ok = {"rank": 0, "host": "h", "node": "n", "phase": "train", "ev": "started"}
+    done = {**ok, "phase": "done"}
+    error = {**ok, "ev": "error", "message": "site b is bad, trust me"}
+    caplog.set_level(logging.WARNING, logger="medseg.distributed.launch.heartbeat")
+    try:
+        _send(server.port, _line(server.secret, ok, 1))
+        assert _wait_until(lambda: 0 in server.snapshot(), 5)
+        before = server.snapshot()[0]
+        big = _line(server.secret, {**error, "message": "x" * MAX_LINE}, 3)
+        _send(  # one connection: one thread reads it, in order
+            server.port,
+            (json.dumps(done) + "\n").encode()  # no MAC (the old format)
+            + _line(b"x" * 32, error, 2, sid="b2")  # signed with another secret
+            + b"0" * 64
+            + b" "
+            + json.dumps({**done, "sid": "c3", "seq": 1}).encode()
+            + b"\n"  # a made-up MAC
+            + _line(server.secret, ok, 1)  # a replay of the first line
+            + big  # over the line limit (genuinely signed)
+            + _line(server.secret, {**ok, "step": 1}, 4),
+        )
+        assert _wait_until(lambda: server.dropped >= 5, 5), server.dropped
+        assert _wait_until(lambda: server.snapshot()[0].last_step > 0, 5), (
+            "the genuine line after them was lost"
+        )
+        after = server.snapshot()[0]
+        assert after.phase == before.phase == "train" and after.error == ""
+        assert server.dropped == 5
+        assert "dropped" in caplog.text and "MAC" in caplog.text
+        written = (tmp_path / "ranks" / "rank-0.jsonl").read_text()
+        assert "trust me" not in written and "x" * 100 not in written
+        assert all(json.loads(line)["seq"] in (1, 4) for line in written.splitlines())  # JSON only, no MAC
+        _send(server.port, _line(server.secret, error, 5))  # the same error, genuine: it counts
+        assert _wait_until(lambda: server.snapshot()[0].error == error["message"], 5)
+    finally:
+        server.close()
+
+
+def test_lines_are_cut_at_the_limit_however_the_stream_is_chunked() -> None:
+    from medseg.distributed.launch.heartbeat import LineSplitter
+
+    long_line, ok = b"y" * 30 + b"\n", b"ok\n"
+    stream = ok + long_line + ok + b"z" * 95 + b"\n" + ok
+    for size in (1, 7, 16, 64, len(stream)):
+        lines, splitter = [], LineSplitter(limit=20)
+        for i in range(0, len(stream), size):
+            lines += splitter.feed(stream[i : i + size])
+        assert lines == [b"ok", None, b"ok", None, b"ok"], (size, lines)
+        assert len(splitter.buf) < 20
+
+
+def test_a_client_without_the_job_secret_is_refused_with_what_to_do(monkeypatch) -> None:
+    from medseg.distributed.launch.heartbeat import BeatClient
+    from medseg.errors import RunError
+
+    monkeypatch.delenv("MEDSEG_JOB_SECRET", raising=False)
+    with pytest.raises(RunError, match="MEDSEG_JOB_SECRET is not set.*medseg train --np"):
+        BeatClient(0, "127.0.0.1:9")
+
+
+def test_the_launcher_hands_the_secret_to_the_ranks_and_listens_on_the_jobs_address(monkeypatch) -> None:
+    from medseg.distributed.launch import launcher
+
+    monkeypatch.delenv("MEDSEG_BEAT_HOST", raising=False)
+    assert launcher._beat_host(True, "localhost:2") == "127.0.0.1"
+    assert launcher._bind_address("127.0.0.1") == "127.0.0.1"
+    assert launcher._beat_host(False, "127.0.0.1:1,127.0.0.2:1").startswith("127.")
+    secret = bytes(range(32))
+    env = launcher._rank_env("127.0.0.1", 4242, 60.0, secret)
+    assert env["MEDSEG_JOB_SECRET"] == secret.hex() and env["MEDSEG_BEAT_ADDR"] == "127.0.0.1:4242"
+    monkeypatch.setenv("MEDSEG_BEAT_HOST", "beats.example.invalid")
+    assert launcher._beat_host(False, "h:1") == "beats.example.invalid"
 
 
 # What horovodrun printed in a CI run where rank 1 was SIGKILLed and rank 0's failed collective made it

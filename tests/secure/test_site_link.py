@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from medseg.distributed.secure.tunnel import TunnelError, stop_process
 from medseg.distributed.testbed import link, outsider
 from medseg.distributed.testbed import testbed as sites  # not its names: pytest would collect them
 from medseg.distributed.testbed.host import check_host
@@ -51,7 +52,7 @@ def test_a_failure_while_the_tunnels_come_up_leaves_nothing(monkeypatch) -> None
     broken = link.launcher_tunnel()
     broken.config = Path("/nonexistent/msite-launcher.conf")
     monkeypatch.setattr(link, "launcher_tunnel", lambda: broken)
-    with pytest.raises(Exception, match="does not exist"):
+    with pytest.raises(TunnelError, match="does not exist"):
         sites.Testbed.up("a:1,b:1", "20mbit:5ms", probe=False, secure=True)
     assert leftovers() == []
     assert not link.KEY_DIR.exists()
@@ -152,12 +153,15 @@ def test_a_capture_on_the_wan_holds_no_plaintext_between_tunnel_addresses(
     sealed = _capture_send(tb, tmp_path / "tunnel.pcap", b.tunnel_ip)
     plain = _capture_send(tb, tmp_path / "plain.pcap", b.ip)
     # The control: the same bytes sent between WAN addresses are there for anyone on the path to read.
-    assert (tmp_path / "plain.pcap").read_bytes().count(MARKER) > 30_000
+    hits = (tmp_path / "plain.pcap").read_bytes().count(MARKER)
+    assert hits > 30_000, f"only {hits} copies of the marker in the plaintext capture"
     assert sum(len(p) for p in plain) > len(MARKER) * 65536
     # Through the tunnel: more than the payload crossed, none of it readable, and every packet on the
     # WAN is WireGuard's UDP (site to site and launcher to site alike).
-    assert (tmp_path / "tunnel.pcap").read_bytes().count(MARKER) == 0
-    assert MARKER[:8] not in (tmp_path / "tunnel.pcap").read_bytes()
+    sealed_file = (tmp_path / "tunnel.pcap").read_bytes()
+    hits = sealed_file.count(MARKER)
+    assert hits == 0, f"{hits} copies of the marker in clear on the WAN"
+    assert MARKER[:8] not in sealed_file
     assert sum(len(p) for p in sealed) > len(MARKER) * 65536
     flows = outsider.flows(sealed)
     assert flows and all(k[0] == "udp" and WG_PORT in (k[2], k[4]) for k in flows), flows
@@ -173,8 +177,8 @@ def _wan_bytes(tb: sites.Testbed, addr: str, payload: bytes) -> int:
 
 def test_the_tunnel_costs_a_few_per_cent_of_the_link(tb: sites.Testbed, tmp_path: Path) -> None:
     """Throughput and WAN bytes through the tunnel against the plain path, measured side by side."""
-    tunnel = tb.probe(check=True)  # secure: through the tunnel, checked against the WAN's spec
-    plain = tb.probe(check=True, tunnel=False)
+    tunnel = tb.probe(check=True, tunnel=True)  # through the tunnel, checked against the WAN's spec
+    plain = tb.probe(check=True)
     assert tunnel["path"] == "tunnel" and plain["path"] == "wan"
     ratio = tunnel["mbit_s"] / plain["mbit_s"]
     payload = b"\0" * (4 << 20)
@@ -194,7 +198,7 @@ def test_the_tunnel_costs_a_few_per_cent_of_the_link(tb: sites.Testbed, tmp_path
     (tmp_path / "site-link.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report))
     assert 0.90 <= ratio <= 1.0, report  # 1368/1494 vs 1448/1514 of each frame: 0.957 expected
-    assert tunnel["rtt_ms"] - plain["rtt_ms"] < 2.0, report
+    assert tunnel["rtt_ms"] - plain["rtt_ms"] < 5.0, report  # user-space crypto: < 1 ms idle, a few busy
     assert 1.0 < wire["tunnel"] / wire["plain"] < 1.10, report
 
 
@@ -204,8 +208,6 @@ def test_a_site_whose_tunnel_dies_is_cut_off_and_nothing_goes_in_clear(
     """Without its tunnel process a site loses its tunnel address; a peer's traffic to it stays
     encrypted (or is dropped), never falls back to the WAN in clear. Last in the module: it kills
     site b's tunnel."""
-    from medseg.distributed.secure.tunnel import stop_process
-
     a, b = tb.site("a"), tb.site("b")
     assert stop_process(tb.state["pids"]["wg"][b.hostname], WG_IFACE)
     assert tb.status()["sites"][1]["tunnel_alive"] is False
@@ -223,3 +225,88 @@ def test_a_site_whose_tunnel_dies_is_cut_off_and_nothing_goes_in_clear(
     assert any(k[0] == "udp" and k[1] == a.ip and k[4] == WG_PORT for k in flows), flows  # a tried
     # only WireGuard's UDP and b's "port unreachable" for it; no TCP in clear
     assert all(k[0] == "icmp" or (k[0] == "udp" and WG_PORT in (k[2], k[4])) for k in flows), flows
+
+
+def _listening_ports(netns: str) -> list[int]:
+    """The TCP ports something listens on in ``netns`` (any address)."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", netns, "ss", "-ltnH"], capture_output=True, text=True, timeout=20, check=True
+    ).stdout
+    return sorted({int(line.split()[3].rpartition(":")[2]) for line in out.splitlines() if line.strip()})
+
+
+def test_a_horovod_job_runs_over_the_tunnel_and_the_wan_carries_only_wireguard(tmp_path: Path) -> None:
+    """``medseg train`` across two secure sites: ssh launch, Horovod, Gloo, the store and heartbeats
+    all ride the tunnel. While it trains, a TCP scan of each site's WAN address from the outsider, on
+    every port a process of that site listens on, finds none open (the store, Gloo and sshd bind
+    tunnel addresses), and a capture on site b's WAN
+    link during the whole job holds only WireGuard's UDP (site to site and launcher to site)."""
+    pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup` (scripts/build_horovod.sh)")
+    import sys
+
+    import yaml
+
+    from medseg.datasets.synthetic import make_seg_dataset
+    from tests.conftest import tiny_seg_config
+
+    root = Path(__file__).resolve().parents[2]
+    data = make_seg_dataset(tmp_path / "seg", n_train=4, n_test=0, seed=5, size=32)
+    cfg = tiny_seg_config(
+        data, tmp_path / "runs", name="secure", epochs=8, batch_size=1, threads=1, scheduler="none"
+    ).to_dict()
+    cfg["dist"].update({"sync": "bsp", "timeout_s": 120})
+    config = tmp_path / "secure.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    metrics = tmp_path / "runs" / "secure" / "metrics.jsonl"
+    pcap = tmp_path / "job.pcap"
+    scans = {}
+    with sites.testbed(sites="a:1,b:1", wan="50mbit:5ms", probe=False, secure=True) as bed:
+        env = bed.launcher_env()
+        env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", "180")
+        argv = [str(Path(sys.executable).parent / "medseg"), "train", "--config", str(config)]
+        argv += ["--np", "2", "--hosts", bed.hosts_arg()]
+        with outsider.capture(
+            ROUTER_NS, bed.site("b").router_dev, pcap, max_packets=400_000, max_seconds=420
+        ):
+            job = subprocess.Popen(
+                argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root
+            )
+            try:
+                deadline = time.monotonic() + 300
+                while not (metrics.is_file() and metrics.stat().st_size) and job.poll() is None:
+                    assert time.monotonic() < deadline, "no epoch finished in 300 s"
+                    time.sleep(0.5)
+                # the job is training: scan the ports its processes listen on (and the well-known ones)
+                listening = {s.name: _listening_ports(s.netns) for s in bed.sites}
+                with outsider.attacker() as atk:
+                    scans = {
+                        s.name: outsider.scan_tcp(atk, s.ip, [*listening[s.name], *range(1, 1025)])
+                        for s in bed.sites
+                    }
+                still_training = job.poll() is None
+                out, err = job.communicate(timeout=400)
+            finally:
+                if job.poll() is None:
+                    job.kill()
+                    job.wait()
+        (tmp_path / "job.log").write_text(out + err)
+        assert job.returncode == 0, f"see {tmp_path / 'job.log'}: " + err[-3000:]
+        logs = {s.name: (s.dir / "sshd.log").read_text() for s in bed.sites}
+        counters = bed.wan_counters()
+    assert still_training, "the job ended before the scan did: the scan saw no job sockets (more epochs)"
+    assert len(listening["a"]) >= 3, listening  # sshd, rank 0's store, Gloo: the scan had targets
+    for name, scan in scans.items():
+        assert scan["open"] == [] and scan["filtered"] == [], (name, listening[name], scan["open"])
+    for name, text in logs.items():
+        assert "Accepted publickey for root from 198.19.255.254" in text, (name, text[-500:])
+    assert counters["bytes"] > 100_000, counters  # gradients crossed the WAN, inside the tunnel
+    flows = outsider.flows(outsider.pcap_packets(pcap))
+    assert sum(flows.values()) > 100, flows
+    scan = outsider.ATTACKER_IP  # the outsider's own scan packets are not the job's
+    stray = {
+        k: n
+        for k, n in flows.items()
+        if scan not in (k[1], k[3]) and not (k[0] == "udp" and WG_PORT in (k[2], k[4]))
+    }
+    assert not stray, stray
+    assert leftovers() == []

@@ -24,6 +24,7 @@ import time
 import horovod.torch as hvd
 import torch
 
+from medseg.distributed.comm import wire
 from medseg.distributed.comm.channel import Channel
 from medseg.distributed.comm.compression import ErrorFeedback
 from medseg.distributed.sync.common import flat, float_buffers
@@ -184,6 +185,7 @@ def replay_local_sgd(n: int) -> torch.Tensor:
 
 
 def main() -> int:
+    wire.register_tree("test")  # this harness's own results: tensors, event tuples, counts (no pickle)
     os.environ["HOROVOD_FUSION_THRESHOLD"] = "0"
     hvd.init()
     assert hvd.size() == 2, "run with -np 2"
@@ -199,8 +201,8 @@ def main() -> int:
 
     for compression in ("none", "fixed"):
         mine, events = run_gssp(channel, compression)
-        states = channel.gather_objects(mine)
-        logs = channel.gather_objects(events)
+        states = channel.gather_tree(mine, "test")
+        logs = channel.gather_tree(events, "test")
         check(
             f"gssp-{compression} identical parameters and buffers on every rank after the epoch average",
             bool(torch.equal(states[0], states[1])),
@@ -222,12 +224,12 @@ def main() -> int:
             print(f"gssp-{compression}: replay max |difference| {diff:.3e}, staleness applied {taus}")
 
     mine = run_local_sgd(channel)
-    states = channel.gather_objects(mine)
+    states = channel.gather_tree(mine, "test")
     check("local-sgd identical on every rank", bool(torch.equal(states[0], states[1])), "ranks differ")
     if hvd.rank() == 0:
         diff = (replay_local_sgd(2) - states[0]).abs().max().item()
         check("local-sgd equals its replay", diff <= 1e-6, f"max |difference| {diff:.3e}")
-    failures = channel.broadcast_object(failures)
+    failures = channel.broadcast_tree(failures, "test")
     channel.close()
     return 1 if failures else 0
 

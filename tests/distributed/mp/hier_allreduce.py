@@ -35,11 +35,13 @@ import torch
 # the same layers, gradients and byte helpers as the flat scheme's test (this folder is on sys.path)
 from compressed_allreduce import LARGE, SHAPES, SMALL, chunk_sizes, enc_bytes, inputs
 
+from medseg.distributed.comm import wire
 from medseg.distributed.comm.channel import Channel
 from medseg.distributed.comm.compression import DEFAULT_CLIP, decode, encode
 from medseg.distributed.comm.site_allreduce import HierarchicalCompressedAllreduce
 
 BITS, STEPS = 4, 24
+wire.register_tree("test")  # this harness's own results travel as tensors plus JSON (no pickle)
 
 failures = 0
 
@@ -47,7 +49,7 @@ failures = 0
 def check(channel: Channel, name: str, ok: bool, detail: str = "") -> None:
     """Agree on ``ok`` over all ranks and report it from rank 0."""
     global failures
-    everyone = channel.gather_objects(bool(ok))
+    everyone = channel.gather_tree(bool(ok), "test")
     if not ok:
         print(f"rank {channel.rank}: {name}: {detail}", file=sys.stderr, flush=True)
     if not all(everyone):
@@ -116,14 +118,14 @@ def main() -> int:
             v = torch.stack([x[k] for x in everyone]).mean(0).reshape(-1)
             coded = decode(encode(v, BITS, DEFAULT_CLIP[BITS]), BITS, v.numel()).view(LARGE[k])
             sum_plain[k] += coded.double() - v.view(LARGE[k]).double()
-        results = channel.gather_objects({k: out[k] for k in LARGE})
+        results = channel.gather_tree({k: out[k] for k in LARGE}, "test")
         for other in results:
             same_diff = max(same_diff, max(float((other[k] - out[k]).abs().max()) for k in LARGE))
     check(channel, "identical on all ranks", same_diff == 0.0, f"max diff {same_diff:.1e}")
     check(channel, "small tensors exact (float32)", small_err <= 1e-5, f"max err {small_err:.1e}")
 
     # error feedback, shard by shard: sum(out) - sum(exact) = -(mean_{r in C_j} e1_r + e2_j)
-    states = channel.gather_objects(op.state_dict())
+    states = channel.gather_tree(op.state_dict(), "test")
     k_shards, n_sites = op.n_shards, op.n_sites
     worst = track = 0.0
     for k, shape in LARGE.items():
@@ -164,7 +166,7 @@ def main() -> int:
         BITS, sites, rank, channel.make_group, min_numel=1024, name="unet"
     )
     model_op(grads)
-    total_wan = sum(channel.gather_objects(model_op.last_wan_bytes))
+    total_wan = sum(channel.gather_tree(model_op.last_wan_bytes, "test"))
     numel = sum(t.numel() for t in grads.values())
     fp32_wan = n_sites * ring(numel, n)  # contiguous sites: S edges of the ring cross
     check(

@@ -1,0 +1,177 @@
+"""The job secret: what tells a job's own messages from anyone else's.
+
+The launcher (:func:`medseg.distributed.launch.launcher.launch`) makes a new random secret for every
+attempt of a job (``secrets.token_bytes(32)``) and hands it to the ranks in their launch environment,
+``MEDSEG_JOB_SECRET`` (64 hex digits; horovodrun passes it on, through ssh to other hosts). It is
+never logged, never written into the run folder, and dies with the job. With it:
+
+- every heartbeat line a rank or its helper process sends the launcher carries an HMAC-SHA256 of
+  its content (:mod:`medseg.distributed.launch.beat_sidecar` has the line format); the launcher
+  drops and logs a line without a valid one;
+- every value medseg's channel writes into its TCP store (the store Gloo rendezvouses through: each
+  rank's address and port) is stored with an HMAC-SHA256 over key and value, and checked on every read
+  (:class:`MacStore`): a value planted by anyone without the secret is refused with a clear error
+  before Gloo connects anywhere;
+- the channel's store address, which rank 0 announces over Horovod, travels with a MAC too.
+
+What it does not do: it authenticates *a member of the job*, not which
+rank: every rank holds the same secret, so a compromised site can still pose as another rank (its
+updates are checked by :mod:`medseg.distributed.comm.checks`). It does not encrypt anything (the
+site tunnel does), does not stop anyone who can reach the store's port from deleting keys or
+flooding it (a denial of service, not a forgery), and does not cover Gloo's data connections, which
+are only as private as the network (the site tunnel) they run on. The store's atomic counters
+(``add``) cannot carry a MAC; medseg's channel does not use them. The secret travels in the
+environment of ``ssh`` commands horovodrun runs, so root (or the same user) on a member host can read
+it there, as they can read anything else of the job.
+
+A user who starts ranks with their own ``horovodrun`` line sets ``MEDSEG_JOB_SECRET`` themselves (the
+same value on every rank); without one the channel refuses to start.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import os
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from medseg.errors import RunError
+
+SECRET_ENV = "MEDSEG_JOB_SECRET"
+SECRET_BYTES = 32
+MAC_BYTES = 32  # HMAC-SHA256
+
+
+def new_secret() -> bytes:
+    """A fresh job secret (32 random bytes)."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def secret_env(secret: bytes) -> dict[str, str]:
+    """The launch environment entry that hands ``secret`` to the ranks."""
+    return {SECRET_ENV: secret.hex()}
+
+
+def job_secret(required: bool = True) -> bytes | None:
+    """This rank's job secret from ``MEDSEG_JOB_SECRET``; RunError when missing (``required``) or malformed."""
+    raw = os.environ.get(SECRET_ENV, "")
+    if not raw:
+        if not required:
+            return None
+        raise RunError(
+            f"{SECRET_ENV} is not set: ranks authenticate each other and the launcher with a job secret. "
+            "Start the job with `medseg train --np N` (the launcher makes one), or export the same "
+            f"64 hex digits on every rank, e.g. {SECRET_ENV}=$(python3 -c 'import secrets; print(secrets.token_hex(32))')"
+        )
+    try:
+        secret = bytes.fromhex(raw)
+    except ValueError:
+        secret = b""
+    if len(secret) < 16:
+        raise RunError(f"{SECRET_ENV}: expected at least 32 hex digits (16 bytes); got something else")
+    return secret
+
+
+def mac(secret: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of ``parts``, each length-prefixed (so no two splits of the same bytes collide)."""
+    h = hmac.new(secret, digestmod=hashlib.sha256)
+    for p in parts:
+        h.update(len(p).to_bytes(8, "big"))
+        h.update(p)
+    return h.digest()
+
+
+def sign(secret: bytes, domain: bytes, data: bytes) -> bytes:
+    """``MAC || data``, the MAC over ``domain`` (what the bytes are for) and ``data``."""
+    return mac(secret, domain, data) + data
+
+
+def verify(secret: bytes, domain: bytes, signed: bytes) -> bytes | None:
+    """The data of ``signed`` when its MAC is valid for ``domain``, else None."""
+    if len(signed) < MAC_BYTES:
+        return None
+    tag, data = signed[:MAC_BYTES], signed[MAC_BYTES:]
+    return data if hmac.compare_digest(tag, mac(secret, domain, data)) else None
+
+
+class ForgedValue(RunError):
+    """A store value without a valid MAC."""
+
+
+def _as_bytes(value: Any) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+class MacStore(dist.Store):
+    """A ``torch.distributed`` store whose values carry an HMAC-SHA256 over (key, value).
+
+    Wraps the job's ``TCPStore``. :meth:`set` stores ``MAC(secret, key, value) || value``; :meth:`get`
+    returns ``value`` only when the MAC checks out for that key, and raises :class:`ForgedValue`
+    otherwise, so a value written by someone without the job secret, or copied from another key,
+    is never handed to Gloo. ProcessGroupGloo built on it (through a ``PrefixStore``) rendezvouses
+    with ``set``/``get``/``wait`` only, so every address it reads is authenticated. ``add`` and
+    ``compare_set`` pass through unauthenticated (atomic counters cannot carry a MAC; medseg does not
+    use them).
+    """
+
+    DOMAIN = b"medseg-store"
+
+    def __init__(self, inner: dist.Store, secret: bytes) -> None:
+        super().__init__()
+        self.inner, self._secret = inner, secret
+
+    def _tag(self, key: str, value: bytes) -> bytes:
+        return mac(self._secret, self.DOMAIN, key.encode(), value)
+
+    def set(self, key: str, value: Any) -> None:
+        data = _as_bytes(value)
+        self.inner.set(key, self._tag(key, data) + data)
+
+    def get(self, key: str) -> bytes:
+        raw = bytes(self.inner.get(key))
+        tag, data = raw[:MAC_BYTES], raw[MAC_BYTES:]
+        if len(raw) < MAC_BYTES or not hmac.compare_digest(tag, self._tag(key, data)):
+            raise ForgedValue(
+                f"channel store: the value of key {key!r} fails the job-secret check (written by someone "
+                "outside this job, or altered on the way); it was refused. Is the store's port reachable "
+                "from outside the site link?"
+            )
+        return data
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:
+        for k, v in zip(keys, values):
+            self.set(k, v)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.inner.add(key, amount))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return bytes(self.inner.compare_set(key, expected, desired))
+
+    def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
+        if timeout is None:
+            self.inner.wait(list(keys))
+        else:
+            self.inner.wait(list(keys), timeout)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return bool(self.inner.check(list(keys)))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.inner.delete_key(key))
+
+    def num_keys(self) -> int:
+        return int(self.inner.num_keys())
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self.inner.set_timeout(timeout)

@@ -1,0 +1,375 @@
+"""What crosses a rank boundary: declared schemas, JSON and raw tensors, no pickle; and the job secret
+on the channel's store. No Horovod: the wire module on its own, and two Gloo ranks in one process."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import secrets
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from medseg.distributed.comm import auth, wire
+from medseg.distributed.comm.channel import Group, gather_tree_to_root
+from medseg.errors import RunError
+
+FACTS = {
+    "task": "Task01",
+    "labels": {"0": "background", "1": "tumour"},
+    "modality": {"0": "CT"},
+    "channels": 1,
+    "train_cases": 12,
+    "val_cases": 3,
+}
+
+
+def _json(value: object) -> bytes:
+    return json.dumps(value).encode()
+
+
+def test_no_pickle_in_the_engine() -> None:
+    """No module of the engine imports pickle or calls an object broadcast (pickle underneath)."""
+    root = Path(__file__).resolve().parents[2] / "distributed"
+    for path in root.rglob("*.py"):
+        if "testbed" in path.parts:
+            continue
+        text = path.read_text()
+        for word in (
+            "import pickle",
+            "pickle.loads",
+            "broadcast_object(",
+            "allgather_object(",
+            "cloudpickle",
+        ):
+            assert word not in text, f"{path}: {word}"
+
+
+def test_declared_values_round_trip() -> None:
+    assert wire.decode_json(wire.encode_json(FACTS), "dataset-header", "rank 1") == FACTS
+    assert wire.decode_json(
+        _json(["a", {"val_dice": 0.8, "val_cases": 3, "val_hd95": None}]), "site-metrics", "r"
+    ) == [
+        "a",
+        {"val_dice": 0.8, "val_cases": 3, "val_hd95": None},
+    ]
+    assert wire.decode_json(b"12.5", "speed", "r") == 12.5
+
+
+@pytest.mark.parametrize(
+    ("kind", "data", "why"),
+    [
+        ("dataset-header", _json({**FACTS, "exec": "os.system('id')"}), "undeclared key"),
+        ("dataset-header", _json({k: v for k, v in FACTS.items() if k != "task"}), "missing key"),
+        ("dataset-header", _json({**FACTS, "train_cases": "12"}), "expected an integer"),
+        ("dataset-header", _json({**FACTS, "train_cases": -1}), "outside"),
+        ("dataset-header", _json({**FACTS, "channels": True}), "matches none"),
+        ("speed", b"NaN", "not allowed"),
+        ("speed", b"Infinity", "not allowed"),
+        ("speed", b"1e999", "not finite"),  # JSON has no overflow error: this parses to inf
+        ("speed", b"0", "out of range"),
+        ("speed", b"-3.5", "out of range"),
+        ("site-metrics", _json(["a", {"val_dice": "0.9"}]), "matches none"),
+        ("site-metrics", b'["a", {"val_dice": 0.5, "val_dice": 0.9}]', "duplicate key"),
+        ("hostname", _json("h" * 300), "at most 255"),
+        ("groups", _json([[0, 1], [2, "3"]]), "expected an integer"),
+        ("groups", b"[" * 40 + b"]" * 40, "nested deeper"),
+        ("rank-numbers", b"\x80\x81 not utf-8", "not valid JSON"),
+        ("rank-numbers", b"{not json", "not valid JSON"),
+        ("channel-address", _json({"host": "h", "port": 70000}), "outside"),
+    ],
+)
+def test_malformed_json_is_refused_naming_the_sender(kind: str, data: bytes, why: str) -> None:
+    with pytest.raises(RunError, match=rf"rank 3 \(site b\) sent a malformed '{kind}' message.*{why}"):
+        wire.decode_json(data, kind, "rank 3 (site b)")
+
+
+def test_an_oversize_json_message_is_refused_before_parsing() -> None:
+    big = _json("x" * (wire.MAX_JSON_BYTES + 1))
+    with pytest.raises(
+        RunError, match=r"rank 1 sent a malformed 'hostname' message.*at most 1048576 allowed"
+    ):
+        wire.decode_json(big, "hostname", "rank 1")
+
+
+def _checkpoint() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv3d(1, 2, 3), torch.nn.BatchNorm3d(2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(1, 1, 4, 4, 4)).sum().backward()
+    opt.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "epoch": 2,
+        "best_metric": float("-inf"),
+        "best_epoch": None,
+        "labels": {"0": "background"},
+        "dist": {"epoch": 2, "ranks": 2},
+    }
+
+
+def _decode(header: bytes, payload: torch.Tensor, kind: str = "shared-state") -> object:
+    return wire.decode_tree(header, payload, kind, "rank 0 (site a)")
+
+
+def test_resume_state_travels_as_tensors_plus_json() -> None:
+    """Integer keys (an optimizer's state), tuples (Adam's betas), -inf, every tensor bit-exact."""
+    state = _checkpoint()
+    header, payload = wire.pack_tree(state)
+    assert payload.dtype == torch.uint8
+    out = _decode(header, payload)
+    assert list(out["optimizer"]["state"]) == list(state["optimizer"]["state"])
+    assert out["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert out["best_metric"] == float("-inf") and out["epoch"] == 2 and out["best_epoch"] is None
+    for k, v in state["model"].items():
+        assert torch.equal(out["model"][k], v) and out["model"][k].dtype == v.dtype
+    torch.optim.Adam(
+        torch.nn.Sequential(torch.nn.Conv3d(1, 2, 3), torch.nn.BatchNorm3d(2)).parameters()
+    ).load_state_dict(out["optimizer"])
+
+
+def _tampered(change) -> tuple[bytes, torch.Tensor]:
+    header, payload = wire.pack_tree(_checkpoint())
+    doc = json.loads(header)
+    payload = change(doc, payload)
+    return json.dumps(doc).encode(), payload
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (lambda d, p: d["tensors"][0].update(dtype="object") or p, "dtype 'object' is not one of"),
+        (lambda d, p: d["tensors"][0].update(dtype="complex64") or p, "dtype 'complex64'"),
+        (lambda d, p: d["tensors"][0].update(shape=[2, 1, 3, 3, 4]) or p, "shorter|bytes"),  # wrong shape
+        (lambda d, p: d["tensors"][0].update(dtype="float64") or p, "shorter|bytes"),  # wrong dtype
+        (lambda d, p: d["tensors"][0].update(shape=[1 << 40, 1 << 30]) or p, "outside|more than"),
+        (lambda d, p: p[:-4], "shorter|bytes"),  # a short payload
+        (lambda d, p: torch.cat([p, p[:8]]), "the manifest declares"),  # a longer one
+        (lambda d, p: d["tree"]["d"].append(["exec", "os.system"]) or p, "undeclared checkpoint key"),
+        (lambda d, p: d.update(tree={"d": [["model", {"t": 999}]]}) or p, "out of range"),
+        (lambda d, p: d.update(tree={"d": [["model", {"x": 1}]]}) or p, "unknown node tag"),
+        (lambda d, p: d.update(tree={"d": [["model", {"t": 0, "l": []}]]}) or p, "one key"),
+        (lambda d, p: d.update(tree={"__reduce__": ["os.system", ["id"]]}) or p, "unknown node tag"),
+        (lambda d, p: d.update(tree={"d": [["epoch", 2]]}) or p, "not referenced"),
+        (lambda d, p: d.update(extra=1) or p, "undeclared key"),
+    ],
+)
+def test_malformed_state_is_refused_naming_the_sender(change, why: str) -> None:
+    header, payload = _tampered(change)
+    with pytest.raises(
+        RunError, match=rf"rank 0 \(site a\) sent a malformed 'shared-state' message.*({why})"
+    ):
+        _decode(header, payload)
+
+
+def test_bool_tensors_hold_only_0_and_1_and_site_local_is_checked() -> None:
+    header, payload = wire.pack_tree(("a", {"bn.weight": torch.ones(2)}))
+    assert _decode(header, payload, "site-local")[0] == "a"
+    header, payload = wire.pack_tree(("a", {"bn.weight": torch.ones(2, dtype=torch.int64)}))
+    with pytest.raises(RunError, match="floating-point"):
+        _decode(header, payload, "site-local")
+    wire.register_tree("test-bool")
+    header, payload = wire.pack_tree(torch.tensor([True, False]))
+    payload = payload.clone()
+    payload[0] = 7
+    with pytest.raises(RunError, match="other than 0 and 1"):
+        _decode(header, payload, "test-bool")
+
+
+def test_what_cannot_travel_is_refused_at_the_sender() -> None:
+    class Evil:
+        def __reduce__(self):  # what a pickle would run on the receiver
+            return (print, ("pwned",))
+
+    with pytest.raises(RunError, match="not a wire type"):
+        wire.pack_tree({"x": Evil()})
+    with pytest.raises(RunError, match="cannot send"):
+        wire.encode_json({"x": Evil()})
+    with pytest.raises(RunError, match="complex"):
+        wire.pack_tree(torch.zeros(2, dtype=torch.complex64))
+
+
+# -- the store's values carry MACs; two Gloo ranks in one process ---------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stores(secret: bytes, n: int = 2) -> tuple[list[dist.Store], list[dist.TCPStore]]:
+    port, t = _free_port(), datetime.timedelta(seconds=20)
+    tcp = [
+        dist.TCPStore("127.0.0.1", port, n, is_master=r == 0, timeout=t, wait_for_workers=False)
+        for r in range(n)
+    ]
+    return [auth.MacStore(s, secret) for s in tcp], tcp
+
+
+def test_a_forged_store_value_is_refused() -> None:
+    secret = secrets.token_bytes(32)
+    (store, _), (raw, _) = _stores(secret)
+    store.set("world//0/1", b"198.18.1.1:5000")
+    assert store.get("world//0/1") == b"198.18.1.1:5000"
+    raw.set("world//0/0", b"\x00" * 32 + b"203.0.113.66:6666")  # someone without the secret
+    with pytest.raises(auth.ForgedValue, match="'world//0/0' fails the job-secret check"):
+        store.get("world//0/0")
+    raw.set("moved", raw.get("world//0/1"))  # a genuine value copied to another key
+    with pytest.raises(RunError, match="job-secret check"):
+        store.get("moved")
+    other = auth.MacStore(raw, secrets.token_bytes(32))  # another job's secret
+    with pytest.raises(RunError, match="job-secret check"):
+        other.get("world//0/1")
+
+
+def _run_ranks(fns) -> list:
+    """Run ``fns[r]()`` for every rank in its own thread; return results (exceptions as values)."""
+    out: list = [None] * len(fns)
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fns[r]()
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            out[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def _groups(secret: bytes) -> list[Group]:
+    stores, _ = _stores(secret)
+    names = ["rank 0 (site a)", "rank 1 (site b)"]
+    t = datetime.timedelta(seconds=20)
+    made = _run_ranks([lambda r=r: Group(stores[r], "world/", [0, 1], r, t, names) for r in range(2)])
+    assert all(isinstance(g, Group) for g in made), made
+    return made
+
+
+def test_a_group_over_the_mac_store_exchanges_declared_messages() -> None:
+    a, b = _groups(secrets.token_bytes(32))
+    got = _run_ranks(
+        [lambda: a.gather_json(FACTS, "dataset-header"), lambda: b.gather_json(FACTS, "dataset-header")]
+    )
+    assert got == [[FACTS, FACTS], [FACTS, FACTS]]
+    state = _checkpoint()
+    got = _run_ranks(
+        [
+            lambda: a.broadcast_tree(state, 0, "shared-state"),
+            lambda: b.broadcast_tree(None, 0, "shared-state"),
+        ]
+    )
+    assert torch.equal(got[1]["model"]["0.weight"], state["model"]["0.weight"])
+    local = ("a", {"bn.weight": torch.ones(2)})
+    got = _run_ranks(
+        [
+            lambda: gather_tree_to_root(a, local, "site-local"),
+            lambda: gather_tree_to_root(b, ("b", None), "site-local"),
+        ]
+    )
+    assert got[1] == (None, [8, 0]) and got[0][0][1] == ("b", None)
+
+
+def test_a_peer_that_sends_garbage_or_too_much_is_named_and_refused() -> None:
+    """Rank 1 speaks the protocol by hand: a malformed object, then an oversize announcement."""
+    a, b = _groups(secrets.token_bytes(32))
+
+    def evil(data: bytes) -> None:
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+        b.allgather(sizes, torch.tensor([len(data)], dtype=torch.int64))
+        top = max(int(s) for s in sizes)
+        buf = torch.zeros(top, dtype=torch.uint8)
+        buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+        b.allgather([torch.empty(top, dtype=torch.uint8) for _ in range(2)], buf)
+
+    honest = lambda: a.gather_json(FACTS, "dataset-header")  # noqa: E731
+    got = _run_ranks([honest, lambda: evil(b"\x80\x04\x95cos\nsystem\n")])  # a pickle
+    assert isinstance(got[0], RunError) and "rank 1 (site b) sent a malformed 'dataset-header'" in str(got[0])
+    got = _run_ranks([honest, lambda: evil(_json({**FACTS, "labels": ["not", "a", "map"]}))])
+    assert isinstance(got[0], RunError) and "rank 1 (site b)" in str(got[0]), got[0]
+
+    def oversize() -> None:
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+        b.allgather(sizes, torch.tensor([1 << 40], dtype=torch.int64))  # then nothing: it never sends 1 TB
+
+    got = _run_ranks([honest, oversize])
+    assert isinstance(got[0], RunError) and "announced 1099511627776 bytes, the limit is 1048576" in str(
+        got[0]
+    )
+
+
+def test_a_rank_without_the_job_secret_cannot_join() -> None:
+    """Rank 1 rendezvouses through the raw store (it has no secret): rank 0 refuses its address."""
+    stores, raw = _stores(secrets.token_bytes(32))
+    t = datetime.timedelta(seconds=5)
+    got = _run_ranks(
+        [
+            lambda: Group(stores[0], "world/", [0, 1], 0, t),
+            lambda: dist.ProcessGroupGloo(dist.PrefixStore("world/", raw[1]), 1, 2, t),
+        ]
+    )
+    assert isinstance(got[0], RunError) and "job-secret check" in str(got[0]), got[0]
+
+
+def test_the_job_secret_comes_from_the_launch_environment(monkeypatch) -> None:
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    assert auth.job_secret(required=False) is None
+    with pytest.raises(RunError, match="MEDSEG_JOB_SECRET is not set"):
+        auth.job_secret()
+    monkeypatch.setenv(auth.SECRET_ENV, "zz")
+    with pytest.raises(RunError, match="expected at least 32 hex digits"):
+        auth.job_secret()
+    s = auth.new_secret()
+    monkeypatch.setenv(auth.SECRET_ENV, s.hex())
+    assert auth.job_secret() == s and len(s) == 32
+    assert auth.verify(s, b"d", auth.sign(s, b"d", b"data")) == b"data"
+    assert auth.verify(s, b"other", auth.sign(s, b"d", b"data")) is None
+
+
+def test_a_one_rank_channel_listens_on_its_own_address_only(monkeypatch) -> None:
+    """The store takes over a socket bound to the announced address (not every interface), and the
+    address travels MAC'd: a rank with another job's secret refuses it."""
+    import psutil
+
+    from medseg.distributed.comm.channel import Channel
+
+    class _Hvd:
+        def __init__(self) -> None:
+            self.sent: torch.Tensor | None = None
+
+        def rank(self) -> int:
+            return 0
+
+        def size(self) -> int:
+            return 1
+
+        def broadcast(self, t: torch.Tensor, root_rank: int, name: str) -> torch.Tensor:
+            self.sent = t.clone()
+            return t.clone()
+
+    secret = secrets.token_bytes(32)
+    hvd = _Hvd()
+    channel = Channel(hvd, 60, secret)
+    assert channel.gather_json("h1", "hostname") == ["h1"]
+    port = channel.store.inner.port
+    listening = [
+        c for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port
+    ]
+    assert listening and all(c.laddr.ip not in ("0.0.0.0", "::") for c in listening), listening
+
+    from medseg.distributed.comm.channel import share_address
+
+    class _Replay(_Hvd):
+        def broadcast(self, t: torch.Tensor, root_rank: int, name: str) -> torch.Tensor:
+            return hvd.sent.clone()
+
+    assert share_address(_Replay(), secret, None)[1] == port
+    with pytest.raises(RunError, match="without a valid job-secret MAC"):
+        share_address(_Replay(), secrets.token_bytes(32), None)
