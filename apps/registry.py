@@ -56,6 +56,20 @@ class ModelInfo:
         return f"{self.name} ({self.task})"
 
 
+def _local_data_dir(root: Path, cfg: dict) -> str:
+    """The training data's folder: from the run's own config.yaml beside the bundle (on the machine
+    that trained it), else the bundle's settings, which name only the folder's base name."""
+    import yaml
+
+    local = root.parent / "config.yaml"
+    if local.is_file():
+        try:
+            return str((yaml.safe_load(local.read_text()) or {}).get("data", {}).get("dir", ""))
+        except (OSError, yaml.YAMLError, AttributeError):
+            pass
+    return str(cfg.get("data", {}).get("dir", ""))
+
+
 def read_info(path: str | Path) -> ModelInfo:
     """Describe the bundle at ``path`` (a run folder or a bundle folder) from its JSON files."""
     root = find_bundle(path)
@@ -78,7 +92,7 @@ def read_info(path: str | Path) -> ModelInfo:
             patch=tuple(int(v) for v in cfg["transforms"]["patch"]),
             window=tuple(float(v) for v in cfg["transforms"]["window"]),
             metrics=dict(meta.get("medseg_metrics") or {}),
-            data_dir=str(cfg.get("data", {}).get("dir", "")),
+            data_dir=_local_data_dir(root, cfg),
             mtime=mtime,
             modality=str(modality or ""),
             dataset_name=str(val.get("dataset_name", "")),

@@ -10,12 +10,8 @@ cases, wraps the optimizer for the chosen mode, lets a test's emulation slow a r
 (:mod:`medseg.distributed.epoch_numbers`) and keeps each rank's synchronisation state on its own
 host (:mod:`medseg.distributed.sync_checkpoint`).
 
-Everything a rank receives from another is a declared wire message (:mod:`medseg.distributed.comm.wire`:
-host names, dataset header facts, speeds, groups, metrics, epoch numbers as JSON of a declared
-schema; the chief's resume state and a site's normalisation tensors as tensors plus JSON), and what it
-would act on is checked first (:mod:`medseg.distributed.comm.checks`): speeds, site metrics, the
-initial model, every cross-site round and average. Both sessions refuse an epoch whose training
-diverged (a parameter or buffer NaN/Inf after its steps) before its checkpoint is written.
+What a rank receives is a declared wire message (:mod:`medseg.distributed.comm.wire`), checked before
+use (:mod:`medseg.distributed.comm.checks`); a diverged epoch stops before its checkpoint is written.
 """
 
 from __future__ import annotations
@@ -35,6 +31,8 @@ from medseg.config import Config
 from medseg.distributed import emulation, sync_checkpoint
 from medseg.distributed.comm import audit, auth
 from medseg.distributed.comm.checks import (
+    check_local_norm,
+    check_site_entries,
     check_site_metrics,
     check_speeds,
     check_tensor,
@@ -129,10 +127,8 @@ class LocalSession:
         return {}
 
     def check_diverged(self, optimizer: Any, who: str = "this process") -> None:
-        """:func:`~medseg.distributed.comm.checks.check_trained` on the model (or the optimizer's
-        parameters): a NaN/Inf training loss leaves them non-finite, and ``last.pt`` must keep the
-        last good epoch. (With fp16 loss scaling in one process, the scaler skips an overflowing step
-        itself and the parameters stay finite: that is not a divergence.)"""
+        """:func:`~medseg.distributed.comm.checks.check_trained` on the model (else the optimizer's
+        parameters): a NaN/Inf loss leaves them non-finite (fp16 loss scaling skips such steps itself)."""
         if self.model is not None:
             named = [*self.model.named_parameters(), *self.model.named_buffers()]
         else:
@@ -252,13 +248,8 @@ class HorovodSession(LocalSession):
             return None
         mine = (self.site, metrics) if self.validates else None
         everyone = self.channel.gather_json(mine, "site-metrics", kind="metrics")
-        for r, entry in enumerate(everyone):
-            if entry is None:
-                continue
-            if entry[0] != self.rank_sites[r]:  # a rank speaks for its own site only
-                raise refuse_update(
-                    self.channel.describe(r), "validation scores", f"they claim to be site {entry[0]!r}'s"
-                )
+        check_site_entries(everyone, self.rank_sites, self.channel.describe, "validation scores")
+        for entry in filter(None, everyone):
             check_site_metrics(entry[0], entry[1])
         return {s: m for s, m in filter(None, everyone)} if self.is_chief else None
 
@@ -503,26 +494,8 @@ class HorovodSession(LocalSession):
         )
         if states is None:
             return None
-        mine = {k: v for k, v in optimizer.local.items()}  # rank 0 leads its site: the reference
-        for r, (site, loc) in enumerate(states):
-            if site != self.rank_sites[r]:
-                raise refuse_update(
-                    self.channel.describe(r), "normalisation tensors", f"they claim to be site {site!r}'s"
-                )
-            if loc is None:
-                continue
-            if set(loc) != set(mine):
-                raise refuse_update(
-                    self.channel.describe(r), "normalisation tensors", "their names differ from this model's"
-                )
-            for name, t in loc.items():
-                check_tensor(
-                    t,
-                    self.channel.describe(r),
-                    f"normalisation tensor {name}",
-                    tuple(mine[name].shape),
-                    mine[name].dtype,
-                )
+        check_site_entries(states, self.rank_sites, self.channel.describe, "normalisation tensors")
+        check_local_norm(states, optimizer.local, self.channel.describe)  # rank 0's own: the reference
         return {site: loc for site, loc in states if loc}
 
     def save_sync_state(self, optimizer: Any, run_dir: Path, epoch: int) -> dict[str, int] | None:

@@ -29,6 +29,10 @@ class DataConfig:
     cache: Literal["none", "memory", "disk"] = "memory"
     cache_dir: str = ""  # for cache=disk; default <run>/cache
     num_workers: int = 0
+    # What an exported bundle (the model that leaves this machine) may say about the data. false: the
+    # dataset's name, case counts and folder base names only; true: also the validation cases' file
+    # names and the full paths of data.dir, data.cache_dir, sites.*.dir and runs_dir (medseg.bundle).
+    share_paths: bool = False
 
 
 @dataclass

@@ -20,9 +20,14 @@ updates are checked by :mod:`medseg.distributed.comm.checks`). It does not encry
 site tunnel does), does not stop anyone who can reach the store's port from deleting keys or
 flooding it (a denial of service, not a forgery), and does not cover Gloo's data connections, which
 are only as private as the network (the site tunnel) they run on. The store's atomic counters
-(``add``) cannot carry a MAC; medseg's channel does not use them. The secret travels in the
-environment of ``ssh`` commands horovodrun runs, so root (or the same user) on a member host can read
-it there, as they can read anything else of the job.
+(``add``) cannot carry a MAC; medseg's channel does not use them.
+
+Where the secret can be read: Horovod's Gloo launcher starts every rank as ``env NAME=value ...
+python ...`` and sends that line through ``ssh`` to other hosts, so while a job runs the secret is
+on a process command line on the launcher's host and on every member host, readable there by any
+local user through ``ps`` unless ``/proc`` is mounted with ``hidepid=2`` (Horovod does the same with
+every other variable of the job). Run jobs on hosts without untrusted local accounts, or mount
+``/proc`` with ``hidepid``; a new secret is made for every attempt, so a leaked one is worth one job.
 
 A user who starts ranks with their own ``horovodrun`` line sets ``MEDSEG_JOB_SECRET`` themselves (the
 same value on every rank); without one the channel refuses to start.

@@ -36,7 +36,7 @@ import collections
 import logging
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -182,6 +182,31 @@ def check_site_metrics(site: str, metrics: dict[str, Any]) -> None:
     for k, v in metrics.items():
         if isinstance(v, float) and not math.isfinite(v):
             raise refuse_update(f"site {site}", "validation scores", f"{k} = {v} is not finite")
+
+
+def check_site_entries(
+    entries: Sequence[Any], rank_sites: Sequence[str], describe: Callable[[int], str], what: str
+) -> None:
+    """Each rank's ``(site, ...)`` entry (or None) names the rank's own site: a rank speaks for its
+    own site only."""
+    for r, entry in enumerate(entries):
+        if entry is not None and entry[0] != rank_sites[r]:
+            raise refuse_update(describe(r), what, f"they claim to be site {entry[0]!r}'s")
+
+
+def check_local_norm(
+    states: Sequence[Any], reference: dict[str, torch.Tensor], describe: Callable[[int], str]
+) -> None:
+    """Every site's own normalisation tensors (``(site, {name: tensor})``): the names, shapes and
+    dtypes of ``reference`` (this rank's own), finite values."""
+    for r, (_, local) in enumerate(states):
+        if local is None:
+            continue
+        if set(local) != set(reference):
+            raise refuse_update(describe(r), "normalisation tensors", "their names differ from this model's")
+        for name, t in local.items():
+            ref = reference[name]
+            check_tensor(t, describe(r), f"normalisation tensor {name}", tuple(ref.shape), ref.dtype)
 
 
 def check_trained(named: Sequence[tuple[str, torch.Tensor]], who: str = "this rank") -> None:

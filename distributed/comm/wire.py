@@ -402,7 +402,7 @@ def tensors_from_bytes(manifest: list[dict[str, Any]], payload: torch.Tensor) ->
             raise Malformed(f"tensors[{i}]", "a bool tensor holds bytes other than 0 and 1")
         out.append(raw.view(dtype).reshape(shape) if n else torch.zeros(shape, dtype=dtype))
         offset += n
-    if False:
+    if offset != flat.numel():
         raise Malformed("payload", f"{flat.numel()} bytes, the manifest declares {offset}")
     return out
 

@@ -67,7 +67,7 @@ class EnvEmulation(emulation.Emulation):
         self._done.add((phase, rank))
         for what, r, seconds in self.delays:
             if what == phase and r == rank:
-                log.info("fault injection: rank %d spends %s s more in %s", rank, seconds, phase)
+                log.info("fault injection: rank %d spends %g s more in %s", rank, seconds, phase)
                 time.sleep(seconds)
 
 

@@ -13,6 +13,14 @@ Layout (MONAI bundle specification)::
 the same preprocessing as :func:`medseg.training.transforms.preprocess` (RAS, resampling, intensity window),
 runs the network with the inferer medseg uses, and writes label maps inverted back onto each input's
 grid (``Invertd``, ``SaveImaged``) or class probabilities as CSV. It never imports medseg.
+
+A bundle is made to leave the site, so by default it names no case file and no absolute path:
+``metadata.json`` and the README give the dataset's name, its folder's base name and case counts,
+and ``medseg.json`` holds the training config with ``data.dir``, ``data.cache_dir``, ``sites.*.dir``
+and ``runs_dir`` cut to their base names (:func:`shareable_settings`). ``data.share_paths: true``
+opts in to the validation cases' file names and the full paths. ``medseg evaluate``'s per-case
+``eval-*.json`` is written beside the bundle, never into it. The run folder's own ``config.yaml``
+keeps the full paths for this machine.
 :mod:`medseg.bundle.metadata` writes ``metadata.json``, :mod:`medseg.bundle.readme` the README, and
 :mod:`medseg.bundle.load` reads a bundle back.
 """
@@ -239,12 +247,41 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+WITHHELD = "withheld"  # stands for each validation case's file name when data.share_paths is false
+
+
+def base_name(path: str) -> str:
+    """The last component of a folder path (``/data/hospital/liver`` -> ``liver``); "" stays ""."""
+    if not path:
+        return ""
+    return Path(path).name or Path(path).resolve().name or "data"
+
+
+def shareable_settings(cfg: Config) -> dict[str, Any]:
+    """``configs/medseg.json``: the training config, with every local folder cut to its base name
+    unless ``data.share_paths`` (the run's own ``config.yaml`` keeps them whole)."""
+    settings = cfg.to_dict()
+    if cfg.data.share_paths:
+        return settings
+    settings["runs_dir"] = base_name(settings["runs_dir"])
+    settings["data"]["dir"] = base_name(settings["data"]["dir"])
+    settings["data"]["cache_dir"] = base_name(settings["data"]["cache_dir"])
+    for site in settings["sites"].values():
+        site["dir"] = base_name(site["dir"])
+    return settings
+
+
 def validation_data(cfg: Config) -> dict[str, Any]:
-    """The dataset, split and cases the exported weights were selected on (best validation epoch)."""
+    """The dataset, split and cases the exported weights were selected on (best validation epoch).
+
+    Case file names and the dataset's full path only with ``data.share_paths``; otherwise ``cases``
+    holds one :data:`WITHHELD` per validation case (readers count it) and ``num_validation_cases``
+    the count."""
     from medseg.datasets.decathlon import load_dataset, split_train_val
 
+    share = cfg.data.share_paths
     info: dict[str, Any] = {
-        "dataset_dir": cfg.data.dir,
+        "dataset_dir": cfg.data.dir if share else base_name(cfg.data.dir),
         "val_fraction": cfg.data.val_fraction,
         "split_seed": cfg.train.seed,
     }
@@ -258,7 +295,9 @@ def validation_data(cfg: Config) -> dict[str, Any]:
         dataset_name=dataset.name,
         modality=dataset.modality,
         num_training_cases=len(dataset.training) - len(val),
-        cases=[Path(item["image"]).name for item in val],
+        num_validation_cases=len(val),
+        case_names="listed" if share else "withheld (data.share_paths: false)",
+        cases=[Path(item["image"]).name if share else WITHHELD for item in val],
     )
     return info
 
@@ -281,7 +320,7 @@ def export_bundle(cfg: Config, state: dict[str, Any], metrics: dict[str, Any]) -
     meta = metadata(cfg, labels, metrics, state["epoch"], validation, problem)
     _write_json(tmp / "configs" / "metadata.json", meta)
     _write_json(tmp / "configs" / "inference.json", _inference_config(cfg, net))
-    _write_json(tmp / SETTINGS, cfg.to_dict())
+    _write_json(tmp / SETTINGS, shareable_settings(cfg))
     (tmp / "models").mkdir()
     torch.save(state["model"], tmp / "models" / "model.pt")
     if state.get("site_local"):

@@ -26,6 +26,12 @@ def modality_of(validation: dict[str, Any]) -> str:
     return str(modality.get("0", next(iter(modality.values()), "CT")))
 
 
+def dataset_label(validation: dict[str, Any]) -> str:
+    """The training dataset as a bundle names it: ``dataset.json``'s name, else its folder as recorded
+    in ``validation`` (a base name unless ``data.share_paths``)."""
+    return str(validation.get("dataset_name") or validation.get("dataset_dir") or "its dataset")
+
+
 def intensity_text(cfg: Config) -> str:
     """One line saying how intensities are normalised, for people (bundle README, metadata, viewer)."""
     n, t = cfg.transforms.normalize, cfg.transforms
@@ -66,11 +72,12 @@ def metadata(
         "task": f"3D {cfg.task} with {cfg.model.name}",
         "description": (
             f"{cfg.task.capitalize()} model '{cfg.name}' ({cfg.model.name}) trained with medseg on "
-            f"{validation.get('dataset_name', cfg.data.dir)}; runs with MONAI alone (configs/inference.json)"
+            f"{dataset_label(validation)}; runs with MONAI alone (configs/inference.json)"
         ),
         "authors": "medseg",
         "copyright": "Copyright (c) the medseg authors",
-        "data_source": cfg.data.dir,
+        # the dataset's folder: its base name unless data.share_paths (medseg.bundle.export.validation_data)
+        "data_source": validation.get("dataset_dir", ""),
         "data_type": "nifti",
         "intended_use": "Research and development only; not for clinical decisions.",
         "image_classes": (

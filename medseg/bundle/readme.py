@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from medseg import __version__
-from medseg.bundle.metadata import CLS_FILENAME, SEG_POSTFIX, intensity_text, modality_of
+from medseg.bundle.metadata import CLS_FILENAME, SEG_POSTFIX, dataset_label, intensity_text, modality_of
 from medseg.config import Config
 
 LIMITS = """\
@@ -45,7 +45,8 @@ def readme(
     names = ", ".join(f"{k} = {v}" for k, v in labels.items())
     sections = [
         f"# {cfg.name}",
-        f"{cfg.task.capitalize()} model ({cfg.model.name}) trained with medseg {__version__} on `{cfg.data.dir}`.\n"
+        f"{cfg.task.capitalize()} model ({cfg.model.name}) trained with medseg {__version__} on "
+        f"`{dataset_label(validation)}`.\n"
         "Research and development only; not for clinical decisions.",
         "## Input",
         _input(cfg, validation),
@@ -56,7 +57,7 @@ def readme(
         f"Weights of epoch {epoch}, chosen on {_cases_line(cfg, validation)}.",
         _metrics_list(metrics),
         "## Limits",
-        LIMITS.format(dataset=validation.get("dataset_name", cfg.data.dir)),
+        LIMITS.format(dataset=dataset_label(validation)),
         "## Running with MONAI alone (no medseg)",
         MONAI_RUN,
         "## TorchScript",
@@ -106,15 +107,19 @@ def _output(cfg: Config, names: str) -> str:
 
 
 def _cases_line(cfg: Config, validation: dict[str, Any]) -> str:
-    """The validation cases the weights were chosen on, or the split when they are unknown."""
+    """The validation cases the weights were chosen on (file names only with ``data.share_paths``),
+    or the split when they are unknown."""
     cases = validation.get("cases")
+    folder = validation.get("dataset_dir", "")
     if not cases:
-        return f"the validation split of `{cfg.data.dir}` (fraction {cfg.data.val_fraction})"
-    return (
-        f"{len(cases)} held-out cases of `{validation.get('dataset_name', cfg.data.dir)}` "
-        f"(`{cfg.data.dir}`, fraction {cfg.data.val_fraction}, split seed {cfg.train.seed}): "
-        + ", ".join(cases)
+        return f"the validation split of `{folder}` (fraction {cfg.data.val_fraction})"
+    line = (
+        f"{len(cases)} held-out cases of `{dataset_label(validation)}` "
+        f"(folder `{folder}`, fraction {cfg.data.val_fraction}, split seed {cfg.train.seed})"
     )
+    if not cfg.data.share_paths:
+        return line + "; their file names are not part of the bundle (`data.share_paths: false`)"
+    return line + ": " + ", ".join(cases)
 
 
 def _metrics_list(metrics: dict[str, Any]) -> str:

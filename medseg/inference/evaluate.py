@@ -4,6 +4,12 @@ Every case goes through :func:`medseg.inference.predict.predict`, the path users
 label on the label's own grid: Dice and 95th-percentile Hausdorff distance (mm, with the voxel
 spacing taken from the affine) per foreground class for segmentation; ROC-AUC and accuracy for
 classification.
+
+What each file holds: ``<run>/eval-<dataset>.json`` is this machine's own record: the run and dataset
+folders' full paths, the summary, and one row per case named by its image file (``case``), so that a
+poor case can be found. ``<run>/eval-sites.json`` holds per site only the summary, the case count and
+the dataset folder. Both are written beside the bundle, never into ``bundle/``: a bundle carries no
+case names (:mod:`medseg.bundle.export`); share an ``eval-*.json`` only after reading it.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ from monai.networks.utils import one_hot
 from tqdm import tqdm
 
 from medseg.bundle.load import Bundle, load_bundle, site_names, use_site
+from medseg.config import load_config
 from medseg.datasets import checks
 from medseg.datasets.decathlon import load_dataset, split_train_val
-from medseg.errors import DataError
+from medseg.errors import DataError, MedsegError
 from medseg.inference.io import load_image
 from medseg.inference.predict import predict
 from medseg.training.tasks import classification_metrics
@@ -34,6 +41,18 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(finite) / len(finite) if finite else None
 
 
+def _training_data_dir(bundle: Bundle) -> str:
+    """The run's dataset folder: from the run folder's own ``config.yaml`` (full path, this machine's),
+    else the bundle's ``data.dir`` (a base name unless the run set ``data.share_paths``)."""
+    local = bundle.path.parent / "config.yaml"
+    if local.is_file():
+        try:
+            return load_config(local).data.dir
+        except MedsegError:
+            pass
+    return bundle.config.data.dir
+
+
 def _cases(bundle: Bundle, data_dir: str | Path | None) -> tuple[str, list[dict[str, Any]]]:
     """The labelled cases to score: all of ``data_dir``, or the run's own validation split."""
     cfg = bundle.config
@@ -41,7 +60,14 @@ def _cases(bundle: Bundle, data_dir: str | Path | None) -> tuple[str, list[dict[
         info = load_dataset(data_dir)
         source, items = f"{info.root} (all {len(info.training)} labelled cases)", info.training
     else:
-        info = load_dataset(cfg.data.dir)
+        folder = _training_data_dir(bundle)
+        try:
+            info = load_dataset(folder)
+        except DataError as exc:
+            raise DataError(
+                f"{exc}; a bundle names its training data by folder name only ({folder!r}) unless the run "
+                "set data.share_paths: pass --data DIR with the dataset's folder"
+            ) from None
         _, items = split_train_val(info.training, cfg.data.val_fraction, cfg.train.seed)
         source = f"{info.root} (validation split, {len(items)} cases)"
     if info.task != cfg.task:

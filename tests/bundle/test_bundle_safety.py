@@ -24,6 +24,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from medseg.bundle.load import UnsafeBundleError, load_bundle
 from medseg.config import config_from_dict
@@ -91,8 +92,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def _data_dir(seg_run) -> str:
-    """The dataset folder the run was trained on (its bundle's configs/medseg.json says)."""
-    return json.loads((seg_run.run_dir / "bundle" / "configs" / "medseg.json").read_text())["data"]["dir"]
+    """The dataset folder the run was trained on (the run's own config.yaml; the bundle has its base name)."""
+    return yaml.safe_load((seg_run.run_dir / "config.yaml").read_text())["data"]["dir"]
 
 
 def _test_image(seg_run) -> Path:

@@ -155,7 +155,10 @@ def test_lines_are_cut_at_the_limit_however_the_stream_is_chunked() -> None:
         for i in range(0, len(stream), size):
             lines += splitter.feed(stream[i : i + size])
         assert lines == [b"ok", None, b"ok", None, b"ok"], (size, lines)
-        assert len(splitter.buf) < 20
+    splitter = LineSplitter(limit=20)
+    assert splitter.feed(b"w" * 1000) == [None] and splitter.feed(b"w" * 1000) == []
+    assert len(splitter.buf) < 20  # an endless line is never held in memory
+    assert splitter.feed(b"w\nok\n") == [b"ok"]
 
 
 def test_a_client_without_the_job_secret_is_refused_with_what_to_do(monkeypatch) -> None:
