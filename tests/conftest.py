@@ -125,5 +125,7 @@ def app_runs(seg_run, cls_run, tmp_path_factory: pytest.TempPathFactory) -> Path
     root = tmp_path_factory.mktemp("app-runs")
     for run in (seg_run, cls_run):
         shutil.copytree(run.run_dir / "bundle", root / run.run_dir.name / "bundle")
-        shutil.copy(run.run_dir / "config.yaml", root / run.run_dir.name / "config.yaml")  # the local run config
+        shutil.copy(
+            run.run_dir / "config.yaml", root / run.run_dir.name / "config.yaml"
+        )  # the local run config
     return root
