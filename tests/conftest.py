@@ -7,8 +7,10 @@ remember to mark a test:
   tc, sshd, WireGuard; needs root);
 - ``browser``: a real Chromium against a real Streamlit server (files named ``*browser*``);
 - ``gpu``: a CUDA device or nvcc (skipped without one);
-- ``mp``: several Horovod ranks or launched processes (the test runs ``horovodrun`` or ``--np``);
-- ``train``: trains a model (uses a trained-run fixture or calls ``train``);
+- ``mp``: several Horovod ranks or launched processes (the test runs ``horovodrun``, ``--np`` or
+  another process);
+- ``train``: trains or measures a model (uses a trained-run fixture, calls ``train``, ``plan`` or a
+  benchmark);
 - ``unit``: everything else; ``make test-fast`` runs this tier.
 """
 
@@ -25,8 +27,8 @@ from medseg.training.loop import train
 
 SITES_FILES = {"test_site_link.py"}  # the secure site link on a real testbed (tests/secure/)
 TRAINED_FIXTURES = {"seg_run", "cls_run", "app_runs"}
-MP_SIGNS = ('"--np"', "horovodrun", "HOROVODRUN", "MEDSEG_WORKER")
-TRAIN_SIGNS = ("train(", '"train"', "train_run(")
+MP_SIGNS = ('"--np"', "horovodrun", "HOROVODRUN", "MEDSEG_WORKER", "subprocess", "Popen", "sys.executable")
+TRAIN_SIGNS = ("train(", '"train"', "train_run(", "getfixturevalue", "plan(", "bench_infer(")
 
 
 def needs_gpu(item: pytest.Item) -> bool:
