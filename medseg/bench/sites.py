@@ -193,7 +193,7 @@ class _Jobs:
         before = tb.wan_counters()
         t0 = time.time()
         try:
-            launch(cfg, path, [], 4, tb.hosts_arg(), False, None)
+            launch(cfg, path, [], 4, tb.hosts_arg(), resume=False)
         finally:
             os.environ.clear()
             os.environ.update(saved)
