@@ -7,6 +7,7 @@ trains with :class:`LocalSession`; ranks started by ``medseg train --np N`` (hor
 :mod:`medseg.distributed.sync.common`).
 """
 
-from medseg.distributed.session import LocalSession, epoch_seed, open_session
+from medseg.distributed.local_session import LocalSession, epoch_seed
+from medseg.distributed.session import open_session
 
 __all__ = ["LocalSession", "epoch_seed", "open_session"]

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 
 class Emulation:
-    """What a rank's session asks at its two hook points; this base class emulates nothing."""
+    """What a rank's session asks at its hook points; this base class emulates nothing."""
 
     slept_s: float = 0.0  # total delay injected into this rank's compute so far
 
@@ -25,6 +26,9 @@ class Emulation:
 
     def enter_phase(self, phase: str, rank: int) -> None:
         """Called when ``rank`` enters a phase (``load``, ``validate``, ...)."""
+
+    def after_step(self, rank: int, epoch: int, model: Any) -> None:
+        """Called after each optimizer step of ``rank`` with its model (a faulty site's can be spoiled here)."""
 
 
 _installed = Emulation()

@@ -36,11 +36,11 @@ from medseg.distributed.comm.checks import (
     check_site_metrics,
     check_speeds,
     check_tensor,
-    check_trained,
     refuse_update,
 )
 from medseg.distributed.epoch_numbers import job_numbers, rank_numbers
 from medseg.distributed.launch.heartbeat import BeatClient
+from medseg.distributed.local_session import LocalSession
 from medseg.distributed.sync.groups import (
     choose_groups,
     epoch_rounds,
@@ -56,88 +56,6 @@ log = logging.getLogger(__name__)
 
 MAX_WAN_FACTOR = 64  # longest round, in multiples of the speed-ratio round
 PROFILE_BLOCK_S = 0.4  # shortest timed block when measuring a rank's speed (several CPU-quota periods)
-
-
-class LocalSession:
-    """One process: the optimizer is used as it is and every sample is this rank's."""
-
-    rank, size, is_chief = 0, 1, True
-    site: str | None = None
-    validates = True  # this process validates (its own site's held-out cases)
-    model: torch.nn.Module | None = None  # what end_epoch checks for divergence
-
-    def prepare(self, profile_step: Callable[[], int], model: torch.nn.Module | None = None) -> None:
-        """Nothing to measure in one process; the model is kept for :meth:`end_epoch`'s check."""
-        self.model = model
-
-    def wrap_optimizer(
-        self, optimizer: torch.optim.Optimizer, model: torch.nn.Module
-    ) -> torch.optim.Optimizer:
-        return optimizer
-
-    def own_cases(self, n_items: int, batch_size: int, seed: int) -> tuple[list[int], int | None]:
-        """This rank's cases and how many it trains on per epoch (None: all, shuffled)."""
-        return list(range(n_items)), None
-
-    def share_state(self, state: Any) -> Any:
-        """The chief's resume state on every rank (one process: as it is)."""
-        return state
-
-    def data_dir(self, cfg: Config) -> str:
-        """The dataset this rank reads: its own site's with ``sites:``, else ``data.dir``."""
-        return cfg.data.dir
-
-    def check_sites(self, facts: dict[str, Any]) -> None:
-        """One process holds one dataset: nothing to compare."""
-
-    def gather_site_metrics(self, metrics: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
-        """Each site's validation numbers on rank 0 (None: not a site-local job)."""
-        return None
-
-    def gather_site_local(self, optimizer: Any) -> dict[str, Any] | None:
-        """Each site's own normalisation tensors on rank 0 (None: no ``dist.local_norm`` sites)."""
-        return None
-
-    def save_sync_state(self, optimizer: Any, run_dir: Path, epoch: int) -> dict[str, int] | None:
-        """No synchronisation state in one process."""
-        return None
-
-    def load_sync_state(self, optimizer: Any, run_dir: Path, marker: dict[str, int] | None) -> None:
-        """Nothing to restore in one process."""
-
-    @contextlib.contextmanager
-    def compute(self) -> Iterator[None]:
-        yield
-
-    def after_step(self, epoch: int, step: int, n_samples: int) -> None:
-        """No heartbeat outside a launched job."""
-
-    def phase(self, what: str) -> None:
-        """No heartbeat outside a launched job."""
-
-    def report(self, record: dict[str, Any]) -> None:
-        """No launcher to report to outside a launched job."""
-
-    def start_epoch(self) -> None:
-        """Nothing to time in one process."""
-
-    def end_epoch(self, optimizer: Any) -> dict[str, Any]:
-        """Refuse a diverged epoch (RunError before its checkpoint is written); no numbers to add."""
-        self.check_diverged(optimizer)
-        return {}
-
-    def check_diverged(self, optimizer: Any, who: str = "this process") -> None:
-        """:func:`~medseg.distributed.comm.checks.check_trained` on the model (else the optimizer's
-        parameters): a NaN/Inf loss leaves them non-finite (fp16 loss scaling skips such steps itself)."""
-        if self.model is not None:
-            named = [*self.model.named_parameters(), *self.model.named_buffers()]
-        else:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            named = [(f"parameter {i}", p) for i, p in enumerate(params)]
-        check_trained([(n, t.detach()) for n, t in named], who)
-
-    def close(self) -> None:
-        """Nothing to shut down."""
 
 
 class HorovodSession(LocalSession):
@@ -533,6 +451,7 @@ class HorovodSession(LocalSession):
         self.beats.send(record)
 
     def after_step(self, epoch: int, step: int, n_samples: int) -> None:
+        self.emulation.after_step(self.rank, epoch, self.model)
         stats = self.optimizer.stats
         self.epoch_samples += n_samples
         self.beats.send(
@@ -592,8 +511,3 @@ def open_session(cfg: Config) -> LocalSession:
             f"--hosts {','.join(f'{s}:1' for s in cfg.sites)} (with dist.sync bsp, gssp, ssp or local-sgd)"
         )
     return LocalSession()
-
-
-def epoch_seed(seed: int, epoch: int, rank: int) -> int:
-    """Seed of a rank's random draws in an epoch (distinct per rank, repeatable per run)."""
-    return (seed * 100_003 + epoch * 1_009 + rank) % (2**31) if rank else (seed * 100_003 + epoch) % (2**31)

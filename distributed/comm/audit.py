@@ -15,15 +15,18 @@ that travels in pieces, the same data). ``kind`` names what the tensor is, from 
 metric scalars, dataset header facts, control values (barriers, sizes, round counts) and launcher
 reports. Images and labels are not a kind: no code path sends them.
 
-What this log does not see: Horovod's own traffic (bsp's gradient allreduce is logged per step by
-the optimizer, with the bytes Gloo's ring sends, as ``gradients``; Horovod's negotiation messages
-carry tensor names only) and the TCP store's rendezvous keys (addresses and ports).
+Horovod's buffers (bsp's gradient allreduce and epoch-end buffer average) are not handed to this
+hook: they are logged by their ring bytes (:meth:`Audit.sent_modelled`), and the canary is searched
+in the tensors themselves before Horovod reads them (:meth:`Audit.inspect`: the gradient of every
+parameter as autograd produces it, the buffer vector before its allreduce). Not seen: Horovod's
+negotiation messages (tensor names only) and the TCP store's rendezvous keys (addresses and ports).
 
 Canary check (tests): with ``MEDSEG_AUDIT_CANARY=v1,v2,...`` (a run of voxel values planted in one
 site's images, see ``tests/distributed/test_sitedata.py``) every outgoing buffer is searched for that run as
 int16 and int32 (file bytes), float32 and float64 (a loaded volume), and, within 1e-4, as float32
 after the intensity window (``MEDSEG_AUDIT_WINDOW=lo,hi``; a preprocessed volume); a hit sets
-``canary: true``.
+``canary: true``. :func:`canary_in_text` searches text that leaves a site the same way (the rank
+output the launcher forwards): the run of numbers as printed, raw or windowed.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -74,6 +78,18 @@ class Audit:
         self.totals: dict[str, int] = {}
         self.canary_hits = 0
         self._canary = _Canary.from_env()
+        self._inspected_hit = False  # a canary in a buffer that the next sent_modelled reports
+
+    @property
+    def searching(self) -> bool:
+        """Whether a canary is set (tests): then Horovod's buffers are worth :meth:`inspect`-ing."""
+        return self._canary is not None
+
+    def inspect(self, payload: Any) -> None:
+        """Search a buffer that Horovod will send (the hook does not see it); the next
+        :meth:`sent_modelled` call reports the result. Returns None, so it can be a tensor hook."""
+        if self._canary is not None and self._canary.found_in(_as_bytes(payload)[0]):
+            self._inspected_hit = True
 
     def open(self, path: Path, rank_sites: list[str]) -> None:
         """Start writing to ``path`` now that every rank's site is known; write what was buffered."""
@@ -104,11 +120,13 @@ class Audit:
         self._log(["launcher"], "report", "report", data)
 
     def sent_modelled(self, ranks: Sequence[int], op: str, kind: str, nbytes: int, dtype: str) -> None:
-        """Log a message whose buffer this hook does not see (Horovod's), by its size."""
+        """Log a message whose buffer this hook does not see (Horovod's), by its size; its canary
+        flag is what :meth:`inspect` found in the buffers since the last such message."""
+        hit, self._inspected_hit = self._inspected_hit, False
         to = self.others(ranks)
         if to == []:
             return
-        self._record(to if to is not None else ["?"], op, kind, int(nbytes), dtype, False)
+        self._record(to if to is not None else ["?"], op, kind, int(nbytes), dtype, hit)
 
     def _log(self, to: list[str], op: str, kind: str, payload: Any) -> None:
         if kind not in KINDS:
@@ -165,6 +183,34 @@ def sent(ranks: Sequence[int], op: str, kind: str, payload: Any) -> None:
     """The channel's hook: log ``payload`` when an audit is running (no-op otherwise)."""
     if _current is not None:
         _current.sent(ranks, op, kind, payload)
+
+
+NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def canary_in_text(text: str, values: Sequence[float], window: tuple[float, float] | None = None) -> bool:
+    """Whether ``values`` (or, with ``window``, their windowed form) occur in ``text`` as a run of
+    consecutive printed numbers, whatever separates them (``17, -93, 201``, ``[17.0 -93.0 201.0]``);
+    a number printed to fewer decimals matches within its own rounding (windowed values, all in
+    [0, 1], only when printed to 2 decimals or more)."""
+    found = [(float(m), _decimals(m)) for m in NUMBER.findall(text)]
+    raw = np.asarray(values, dtype=np.float64)
+    targets = [(raw, 0)]
+    if window is not None:
+        lo, hi = window
+        targets.append((np.clip((raw - lo) / (hi - lo), 0.0, 1.0), 2))
+    for want, least in targets:
+        k = len(want)
+        for start in range(len(found) - k + 1):
+            run = found[start : start + k]
+            if all(d >= least and abs(x - w) <= max(0.5 * 10.0**-d, 1e-4) for (x, d), w in zip(run, want)):
+                return True
+    return False
+
+
+def _decimals(number: str) -> int:
+    mantissa = number.lower().split("e")[0]
+    return len(mantissa.split(".")[1]) if "." in mantissa else 0
 
 
 def _as_bytes(payload: Any) -> tuple[bytes, str]:

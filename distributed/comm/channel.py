@@ -387,9 +387,10 @@ class Channel:
         self.leader = 0
 
     def name_ranks(self, rank_sites: list[str] | None) -> None:
-        """Name every rank by its site in errors from now on (``rank 2 (site b)``)."""
+        """Name every rank by where it runs in errors from now on: ``rank_sites[r]`` is ``site b`` or
+        ``host gpu2``, so rank 2 is ``rank 2 (site b)``."""
         for r in range(self.size):
-            self.names[r] = f"rank {r} (site {rank_sites[r]})" if rank_sites else f"rank {r}"
+            self.names[r] = f"rank {r} ({rank_sites[r]})" if rank_sites else f"rank {r}"
 
     def describe(self, rank: int) -> str:
         return self.names[rank]

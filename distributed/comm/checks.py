@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import re
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,17 +52,22 @@ MAX_SPEED_RATIO = 1000.0  # a speed this many times faster or slower than the re
 
 
 class UpdateRefused(RunError):
-    """An update from a site failed a check; ``source`` names the site (or rank)."""
+    """An update from a site failed a check; ``source`` names the site (or rank), and ``rank`` is
+    the global rank that sent it when ``source`` names one (``rank 2 (site b)``), else None. The
+    launcher leaves that rank's site out at a restart (``--max-restarts``) and never lets it rejoin."""
 
     def __init__(self, source: str, message: str) -> None:
         super().__init__(message)
         self.source = source
+        found = re.match(r"rank (\d+)\b", source)
+        self.rank = int(found.group(1)) if found else None
 
 
 def refuse_update(source: str, what: str, why: str) -> UpdateRefused:
     msg = (
         f"{source}: its {what} was refused ({why}); nothing of it was applied and no checkpoint was "
-        "written after it. The job stops: check that site (diverged training, damaged data, or tampering)"
+        "written after it. The job stops (with --max-restarts it goes on without that site): check that "
+        "site (diverged training, damaged data, or tampering)"
     )
     log.error("%s", msg)
     return UpdateRefused(source, msg)

@@ -73,6 +73,7 @@ class RankState:
     phase_since: float = 0.0
     last_step: float = 0.0  # time of the last completed step (0: none yet)
     error: str = ""  # a MedsegError the rank reported before it stopped (its message is for the user)
+    refused_rank: int | None = None  # the rank whose update this rank refused (comm.checks.UpdateRefused)
 
 
 class LineSplitter:
@@ -211,6 +212,10 @@ class BeatServer:
                 st.last_step = now
             if rec.get("ev") == "error":
                 st.error = str(rec.get("message", ""))
+                refused = rec.get("refused_rank")
+                st.refused_rank = (
+                    refused if isinstance(refused, int) and not isinstance(refused, bool) else None
+                )
             if rec.get("ev") != "alive":
                 f = self._files.get(rank)
                 if f is None:

@@ -137,6 +137,7 @@ class _Attempt:
     rank: int | None = None  # the rank at fault (watchdog's culprit or the first that failed)
     code: int | None = None  # that rank's exit status (None when the watchdog stopped the job)
     reported: str = ""  # a MedsegError a rank reported (bad data or config: not a site failure)
+    refused: int | None = None  # the rank whose update the ranks refused (a faulty or hostile site)
 
 
 _Entry = tuple[str, str, int]  # a --hosts entry: (label, host for horovodrun, slots)
@@ -175,8 +176,10 @@ def launch(
     out and the job restarts from the last checkpoint with the sites still there (from scratch when
     there is none yet), at most ``max_restarts`` times; it stops with RunError (exit 2) when fewer
     than ``min_sites`` sites would remain. A site dropped earlier that answers on its ssh port again
-    rejoins at the next restart. A rank that stops on a medseg error (bad data, bad config) is not a
-    dropout: the job stops with that error.
+    rejoins at the next restart. A site whose update the other sites refused (non-finite, wrong
+    shape, norm out of bounds: :mod:`medseg.distributed.comm.checks`) is left out the same way, from
+    the checkpoint written before that update, and never rejoins. Any other medseg error a rank
+    stops on (bad data, bad config) is not a dropout: the job stops with that error.
     """
     last = cfg.run_dir / "checkpoints" / "last.pt"
     _check_job(cfg, np_, hosts, resume, max_restarts, min_sites, last)
@@ -185,6 +188,7 @@ def launch(
     entries = _host_entries(cfg, hosts, np_)
     active = [e for i, e in enumerate(entries) if i in set(_assign(entries, np_))]
     dropped: list[_Entry] = []
+    refused: list[_Entry] = []  # sites whose updates were refused: left out for good
     restarts = 0
     while True:
         n = len(_assign(active, np_))
@@ -192,10 +196,13 @@ def launch(
         outcome = _attempt(cfg, config_path, overrides, n, hosts_arg, hosts is None, resume)
         if outcome.ok:
             return
-        if outcome.reported or outcome.rank is None or restarts >= max_restarts or outcome.code == 2:
+        culprit = _site_at_fault(outcome)
+        if culprit is None or restarts >= max_restarts:
             _give_up(outcome, config_path, n, last, restarts, max_restarts)
-        lost = active[_assign(active, np_)[outcome.rank]]
-        back = [e for e in dropped if _reachable(e[1])]
+        lost = active[_assign(active, np_)[culprit]]
+        if outcome.refused is not None:
+            refused.append(lost)
+        back = [e for e in dropped if e not in refused and _reachable(e[1])]
         dropped = [e for e in dropped if e not in back] + [lost]
         active = [e for e in entries if e not in dropped]
         restarts += 1
@@ -217,6 +224,16 @@ def launch(
             ", ".join(e[0] for e in active),
             f" (back: {', '.join(e[0] for e in back)})" if back else "",
         )
+
+
+def _site_at_fault(outcome: _Attempt) -> int | None:
+    """The rank whose site a restart leaves out: the sender of a refused update, else the rank that
+    died or went silent; None when the failure is not a site's (a reported error, exit status 2)."""
+    if outcome.refused is not None:
+        return outcome.refused
+    if outcome.reported or outcome.rank is None or outcome.code == 2:
+        return None
+    return outcome.rank
 
 
 def _check_job(
@@ -320,7 +337,15 @@ def _attempt(
         )
     if proc.returncode == 0:
         return _Attempt(True)
-    return _failed(proc.returncode, exits, states, reported)
+    failed = _failed(proc.returncode, exits, states, reported)
+    failed.refused = _refused_rank(states, np_)
+    return failed
+
+
+def _refused_rank(states: dict[int, RankState], np_: int) -> int | None:
+    """The rank the ranks named in their refusals, when they agree on one that is in this job."""
+    named = {st.refused_rank for st in states.values() if st.refused_rank is not None}
+    return named.pop() if len(named) == 1 and 0 <= next(iter(named)) < np_ else None
 
 
 def _beat_host(single_host: bool, hosts_arg: str) -> str:

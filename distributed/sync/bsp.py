@@ -107,6 +107,8 @@ class BulkSynchronous(SyncedOptimizer):
             self.optimizer = hvd.DistributedOptimizer(
                 optimizer, named_parameters=model.named_parameters(), compression=comp, op=hvd.Average
             )
+        if self.hier is None:  # the channel's groups search their own buffers
+            self._watch_gradients()
 
     def step(self) -> None:
         tic = time.perf_counter()
@@ -148,6 +150,19 @@ class BulkSynchronous(SyncedOptimizer):
         if self.hier is None:  # the channel's groups log their own buffers
             self._audit("gradients", sent)
 
+    def _watch_gradients(self) -> None:
+        """With a canary set (tests), search every gradient as autograd produces it: what Horovod's
+        allreduce (or the flat compressed one) then sends is that tensor, or its codes."""
+        log_ = audit.current()
+        if log_ is not None and log_.searching and self.size > 1:
+            for _, p in self.named:
+                p.register_hook(log_.inspect)
+
+    def _inspect(self, tensor: torch.Tensor) -> None:
+        log_ = audit.current()
+        if log_ is not None:
+            log_.inspect(tensor)
+
     def _audit(self, kind: str, nbytes: float) -> None:
         """Horovod's buffers are not seen by the channel's hook: log them by their ring bytes."""
         log_ = audit.current()
@@ -156,7 +171,9 @@ class BulkSynchronous(SyncedOptimizer):
 
     def end_epoch(self) -> None:
         if self.buffers and self.size > 1:
-            vector = self.hvd.allreduce(flat(self.buffers), op=self.hvd.Average, name="medseg.buffers")
+            mine = flat(self.buffers)
+            self._inspect(mine)
+            vector = self.hvd.allreduce(mine, op=self.hvd.Average, name="medseg.buffers")
             # Horovod's allreduce does not say which rank sent what: the average must at least be finite
             check_tensor(
                 vector,

@@ -46,6 +46,7 @@ from medseg.bench.sites_configs import (
     QUICK_EPOCHS,
     QUICK_SCENARIOS,
     SCENARIOS,
+    SECURE_TWIN,
     SITES,
     TRAIN_CASES,
     fill_cache,
@@ -60,6 +61,7 @@ from medseg.bench.sites_figures import (
     ratios,
     set_budget,
 )
+from medseg.bench.sites_secure import secure_table, secure_targets
 from medseg.config import config_from_dict
 from medseg.datasets.synthetic import make_seg_dataset
 from medseg.errors import ConfigError
@@ -78,8 +80,12 @@ def bench_sites(
     scenarios: list[str] | None = None,
     configs: list[str] | None = None,
     reuse: dict[str, Any] | None = None,
+    secure: bool = False,
 ) -> dict[str, Any]:
     """Run every scenario and config (``quick``: 2 scenarios x 4 configs, 1 seed), or those named.
+
+    ``secure``: also run each secure scenario whose plain twin is run (:data:`SECURE_TWIN`: the
+    same WAN with the site link up), right after the twin, so the two are measured side by side.
 
     ``reuse``: an earlier result of this function with the same seeds, epochs and ``quick``; each
     (scenario, config) it holds is taken from it (marked ``"reused": True``, its own probe kept
@@ -89,7 +95,11 @@ def bench_sites(
     seeds = seeds or (1 if quick else 3)
     epochs = epochs or (QUICK_EPOCHS if quick else EPOCHS)
     target = QUICK_DICE_TARGET if quick else DICE_TARGET
-    scenarios = scenarios or (QUICK_SCENARIOS if quick else tuple(SCENARIOS))
+    scenarios = list(
+        scenarios or (QUICK_SCENARIOS if quick else tuple(s for s in SCENARIOS if s not in SECURE_TWIN))
+    )
+    if secure:
+        scenarios = _with_secure_twins(scenarios)
     configs = configs or (QUICK_CONFIGS if quick else tuple(CONFIGS))
     unknown = [s for s in scenarios if s not in SCENARIOS] + [c for c in configs if c not in CONFIGS]
     if unknown:
@@ -116,6 +126,18 @@ def bench_sites(
         out["scenarios"][scenario] = jobs.scenario(scenario, configs, earlier.get(scenario, {}))
     out["setting"] = comm_setting(out)
     return out
+
+
+def _with_secure_twins(scenarios: list[str]) -> list[str]:
+    """``scenarios`` with each secure scenario placed right after its plain twin (one is required)."""
+    plain = [s for s in scenarios if s not in SECURE_TWIN]
+    twins = {twin: sec for sec, twin in SECURE_TWIN.items()}
+    if not any(s in twins for s in plain):
+        raise ConfigError(
+            f"bench sites --secure: the site link is measured against the same WAN in clear; keep one of "
+            f"{sorted(twins)} in --scenarios"
+        )
+    return [x for s in plain for x in ((s, twins[s]) if s in twins else (s,))]
 
 
 def _reusable(reuse: dict[str, Any] | None, quick: bool, seeds: int, epochs: int) -> dict[str, Any]:
@@ -154,15 +176,19 @@ class _Jobs:
             set_budget(res)
             log.info("bench sites: %s taken whole from the earlier result", scenario)
             return res
-        with testbed(sites=SITES, wan=wan, cpu=CPU) as tb:
+        secure = scenario in SECURE_TWIN
+        with testbed(sites=SITES, wan=wan, cpu=CPU, secure=secure) as tb:
             probe = tb.probe(check=wan != "none")
             res = {
                 "wan": wan,
+                "secure": secure,
                 "rtt_ms": probe.get("rtt_ms"),
                 "mbit_s": probe.get("mbit_s"),
                 "probe": probe,
                 "configs": {},
             }
+            if secure:  # what the jobs' own path (the tunnel) carries, beside the WAN's check
+                res["probe_tunnel"] = tb.probe(check=False, tunnel=True)
             for name in configs:
                 if name in kept:
                     log.info("bench sites: %s %s taken from the earlier result", scenario, name)
@@ -201,7 +227,9 @@ class _Jobs:
         after = tb.wan_counters()
         records = read_metrics(cfg.run_dir / "metrics.jsonl")
         ranks = rank_records(cfg.run_dir)
-        return job_figures(records, ranks, t0, job_s, (before, after), self.epochs, self.target, dist)
+        return job_figures(
+            records, ranks, t0, job_s, (before, after), self.epochs, self.target, dist, tunnel=tb.secure
+        )
 
 
 def check_targets(result: dict[str, Any]) -> list[Target]:
@@ -217,7 +245,7 @@ def check_targets(result: dict[str, Any]) -> list[Target]:
             if name in q and q[name]["speed_x"] is not None:
                 x = q[name]["speed_x"]
                 checks.append(at_least(f"lan: {name} samples/s >= 0.9x bsp-none (got {x:.2f}x)", x, 0.9))
-    return checks
+    return checks + secure_targets(result)
 
 
 def _wan20_targets(result: dict[str, Any], w: dict[str, Any]) -> list[Target]:
@@ -284,7 +312,7 @@ def format_table(result: dict[str, Any]) -> str:
                 *gaps,
                 "",
             ]
-    return "\n".join(lines)
+    return "\n".join(lines + secure_table(result))
 
 
 def _scenario_table(scenario: str, res: dict[str, Any], dice_target: float) -> list[str]:
@@ -299,7 +327,7 @@ def _scenario_table(scenario: str, res: dict[str, Any], dice_target: float) -> l
     ]
     columns += ["reported (MB)", "measured/reported", "max lead (s)", "in-site step idle / in flight (s)"]
     lines = [
-        f"**{scenario}** (WAN {res['wan']}; probe: RTT {res['rtt_ms']:.1f} ms, {res['mbit_s']:.1f} Mbit/s; budget {res['budget_s']:.0f} s)",
+        f"**{scenario}** (WAN {res['wan']}{', over the site link' if res.get('secure') else ''}; probe: RTT {res['rtt_ms']:.1f} ms, {res['mbit_s']:.1f} Mbit/s; budget {res['budget_s']:.0f} s)",
         "",
         *table_head(["config", *columns, "groups, rounds (steps)"], "l" * 14),
     ]

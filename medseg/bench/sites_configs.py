@@ -14,7 +14,11 @@ from typing import Any
 from medseg.config import config_from_dict
 
 SITES, CPU = "a:2,b:2", "a=0.5,b=0.25"
-SCENARIOS = {"lan": "none", "wan100": "100mbit:10ms", "wan20": "20mbit:25ms"}
+SCENARIOS = {"lan": "none", "wan100": "100mbit:10ms", "wan20": "20mbit:25ms", "wan20-secure": "20mbit:25ms"}
+# A secure scenario runs its plain twin's WAN with the site link up (a WireGuard tunnel between the
+# sites, every job socket bound to it): ``--secure`` adds it, and its figures are read against the twin's.
+SECURE_TWIN = {"wan20-secure": "wan20"}
+SECURE_TIME_LIMIT = 1.05  # time to Dice over the site link at most this times the same run in clear
 CONFIGS: dict[str, dict[str, Any]] = {
     "bsp-none": {"sync": "bsp"},
     "bsp-fp16": {"sync": "bsp", "compression": "fp16"},

@@ -56,6 +56,7 @@ def _sites(args: argparse.Namespace) -> None:
         scenarios=args.scenarios.split(",") if args.scenarios else None,
         configs=args.configs.split(",") if args.configs else None,
         reuse=_read_json(args.reuse, "--reuse") if args.reuse else None,
+        secure=args.secure,
     )
     _report(result, args, write_report, format_table, check_targets)
 
@@ -134,6 +135,11 @@ def _add_sites(bench: argparse._SubParsersAction) -> None:
     s.add_argument("--seeds", type=int, help="seeds per config (default 3, --quick 1)")
     s.add_argument("--epochs", type=int, help="epochs per run (default 8, --quick 4)")
     s.add_argument("--scenarios", help="comma-separated subset of lan,wan100,wan20")
+    s.add_argument(
+        "--secure",
+        action="store_true",
+        help="also run wan20 over the site link (WireGuard), right after it in clear, and compare the two",
+    )
     s.add_argument(
         "--configs", help="comma-separated subset of bsp-none,bsp-fp16,bsp-fixed4,local-sgd,gssp,gssp-fixed4"
     )

@@ -15,7 +15,7 @@ from medseg.config import Config
 from medseg.distributed import LocalSession
 from medseg.errors import ConfigError
 from medseg.models import build_network, network_def
-from medseg.training.data import make_train_data, read_dataset
+from medseg.training.data import make_train_data, path_digest, read_dataset
 from medseg.training.run import Amp, Run, RunPaths, run_log
 from medseg.training.tasks import ClassificationTask, SegmentationTask, make_task
 
@@ -140,7 +140,9 @@ def build_run(cfg: Config, session: LocalSession, paths: RunPaths, progress: boo
             "cases": len(data.train_items),
             "cache_mb": round(data.cache_mb, 1),
             "site": session.site,
-            "data": str(data.info.root),  # the one dataset folder this rank opened
+            # the one dataset folder this rank opened: its path leaves the site only with
+            # data.share_paths, else a digest that the site's own staff can match
+            "data": str(data.info.root) if cfg.data.share_paths else path_digest(data.info.root),
         }
     )
     scheduler = build_scheduler(cfg, base_optimizer)

@@ -8,6 +8,7 @@ weights it starts from and a resumed run repeats an uninterrupted one exactly.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -100,6 +101,12 @@ def _rss_mb() -> float:
     except (OSError, ValueError, IndexError):
         return 0.0
     return pages * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+def path_digest(path: Path) -> str:
+    """A folder named without its path (what a rank reports to the launcher unless
+    ``data.share_paths``): the first 16 hex digits of BLAKE2b over the resolved path."""
+    return "blake2b:" + hashlib.blake2b(str(Path(path).resolve()).encode(), digest_size=8).hexdigest()
 
 
 def read_dataset(

@@ -20,6 +20,7 @@ from typing import Any
 from medseg.config import Config, save_config
 from medseg.datasets.checks import prepare_output_dir
 from medseg.distributed import LocalSession, open_session
+from medseg.distributed.comm.checks import UpdateRefused
 from medseg.errors import MedsegError
 from medseg.training.build import build_run
 from medseg.training.checkpoints import checkpoint_payload, export_best, save_checkpoints
@@ -71,9 +72,9 @@ def train(
         state = session.share_state(state)
         return _train(cfg, session, state, paths, progress, until_epoch or cfg.train.epochs)
     except MedsegError as exc:
-        session.report(
-            {"ev": "error", "message": str(exc)}
-        )  # the launcher shows it instead of "rank R failed"
+        # the launcher shows it instead of "rank R failed"; a refused update names the rank that sent it
+        refused = exc.rank if isinstance(exc, UpdateRefused) else None
+        session.report({"ev": "error", "message": str(exc), "refused_rank": refused})
         raise
     finally:
         if handler is not None:

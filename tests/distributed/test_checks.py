@@ -20,7 +20,8 @@ from medseg.distributed.comm.checks import (
 )
 from medseg.distributed.comm.collectives import CompressedAllreduce
 from medseg.distributed.comm.compression import encode, encoded_nbytes
-from medseg.distributed.session import HorovodSession, LocalSession
+from medseg.distributed.local_session import LocalSession
+from medseg.distributed.session import HorovodSession
 from medseg.distributed.sync.common import AverageCheck, StepStats, average_model, flat
 from medseg.distributed.sync.gssp import GroupStale
 from medseg.distributed.sync.local_sgd import LocalSGD

@@ -26,6 +26,7 @@ from medseg.datasets.synthetic import Scanner, make_seg_dataset
 from medseg.distributed.comm.audit import KINDS, Audit, summarize
 from medseg.distributed.site_data import compare_facts, horovodrun_hosts, pool_metrics, site_share
 from medseg.errors import DataError
+from medseg.training.data import path_digest
 from tests.conftest import tiny_seg_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,13 +180,27 @@ def _two_sites(
 
 
 def _train(
-    tmp_path: Path, cfg: dict, extra_env: dict | None = None, timeout: int = 900
+    tmp_path: Path,
+    cfg: dict,
+    extra_env: dict | None = None,
+    timeout: int = 900,
+    args: list[str] | None = None,
 ) -> subprocess.CompletedProcess:
     pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup` (scripts/build_horovod.sh)")
     config = tmp_path / "sites.yaml"
     config.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", **(extra_env or {}))
-    argv = [str(BIN / "medseg"), "train", "--config", str(config), "--np", "2", "--hosts", "a:1,b:1"]
+    argv = [
+        str(BIN / "medseg"),
+        "train",
+        "--config",
+        str(config),
+        "--np",
+        "2",
+        "--hosts",
+        "a:1,b:1",
+        *(args or []),
+    ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     (tmp_path / "job.log").write_text(proc.stdout + proc.stderr)
     return proc
@@ -220,7 +235,8 @@ def test_sites_train_on_their_own_data_send_no_image_bytes_and_report_per_site(t
             rec = json.loads(line)
             if rec.get("ev") == "loaded":
                 loaded[r] = (rec["site"], rec["data"])
-    assert loaded == {0: ("a", cfg["sites"]["a"]["dir"]), 1: ("b", cfg["sites"]["b"]["dir"])}
+    # the folder each rank opened, as a digest: its path stays on the site (data.share_paths: false)
+    assert loaded == {0: ("a", path_digest(a)), 1: ("b", path_digest(Path(cfg["sites"]["b"]["dir"])))}
     # what left each site
     totals = summarize(run)
     assert set(totals["sites"]) == {"a", "b"}
