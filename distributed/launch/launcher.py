@@ -55,6 +55,7 @@ WORKER_ENV = "MEDSEG_WORKER"
 _RANK_EXIT = re.compile(r"^Process (\d+) exit with status code (-?\d+)\.")
 _FAILED_RANK = re.compile(r"^Process name: (\d+)")
 _EXIT_CODE = re.compile(r"^Exit code: (-?\d+)")
+_SSH_FAILED = re.compile(r"^ssh not successful for host (\S+?):?$")
 _SIGTERM_CODES = (-15, 143)  # what horovodrun sends the remaining ranks after the first failure
 
 
@@ -72,6 +73,8 @@ class ExitLog:
     def __init__(self) -> None:
         self.exits: list[tuple[int, int]] = []  # (rank, exit code), in the order horovodrun saw them
         self.first: tuple[int, int | None] | None = None  # horovodrun's own "first process"
+        self.ssh_host: str | None = None  # the host of horovodrun's last "ssh not successful" line
+        self.unverified: list[str] = []  # hosts whose ssh host key was unknown or wrong
 
     def feed(self, line: str) -> None:
         line = line.strip()
@@ -82,6 +85,13 @@ class ExitLog:
                 self.first = (int(m.group(1)), None)
         elif (m := _EXIT_CODE.match(line)) and self.first is not None and self.first[1] is None:
             self.first = (self.first[0], int(m.group(1)))
+        elif m := _SSH_FAILED.match(line):
+            self.ssh_host = m.group(1)
+        elif line.startswith("Host key verification failed") and self.ssh_host not in (
+            None,
+            *self.unverified,
+        ):
+            self.unverified.append(self.ssh_host)
 
     @staticmethod
     def by_signal(code: int) -> bool:
@@ -427,7 +437,17 @@ def _watch(
 
 
 def _failed(returncode: int, exits: ExitLog, states: dict[int, RankState], reported: str) -> _Attempt:
-    """A horovodrun that ended with an error: blame the rank :meth:`ExitLog.culprit` names."""
+    """A horovodrun that ended with an error: hosts ssh would not trust, else the rank
+    :meth:`ExitLog.culprit` names."""
+    if exits.unverified:
+        return _Attempt(
+            False,
+            f"ssh refused {', '.join(exits.unverified)}: the host key is not in known_hosts or differs "
+            "from it (medseg's launcher checks host keys). Compare the host's key fingerprint with its "
+            "administrator (`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` there) before adding it "
+            "to ~/.ssh/known_hosts; a key that changed unexpectedly may be an impostor",
+            reported=reported,
+        )
     culprit = exits.culprit()
     if culprit is not None:
         rank, code = culprit

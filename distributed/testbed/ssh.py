@@ -22,6 +22,7 @@ SSH_CONFIG = STATE_DIR / "ssh_config"
 BIN_DIR = STATE_DIR / "bin"  # first on PATH: its ``ssh`` uses the testbed's key and config
 KEY = STATE_DIR / "id_ed25519"
 AUTHORIZED_KEYS = STATE_DIR / "authorized_keys"
+KNOWN_HOSTS = STATE_DIR / "known_hosts"  # every site's sshd host key, written as each sshd is made
 RUN_SSHD = Path("/run/sshd")  # sshd's privilege-separation folder
 
 
@@ -35,8 +36,8 @@ def _client_config(sites: Sequence[Site]) -> str:
         + f"    IdentityFile {KEY}\n"
         + "    IdentitiesOnly yes\n"
         + "    BatchMode yes\n"
-        + "    StrictHostKeyChecking no\n"
-        + "    UserKnownHostsFile /dev/null\n"
+        + "    StrictHostKeyChecking yes\n"
+        + f"    UserKnownHostsFile {KNOWN_HOSTS}\n"
         + "    GlobalKnownHostsFile /dev/null\n"
         + "    LogLevel ERROR\n"
         + "    ConnectTimeout 10\n"
@@ -49,6 +50,7 @@ def make_client(sites: Sequence[Site]) -> bool:
     it had to make ``/run/sshd`` (then the sweep removes it again)."""
     run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "medseg-sites", "-f", str(KEY)])
     AUTHORIZED_KEYS.write_text(Path(f"{KEY}.pub").read_text())
+    KNOWN_HOSTS.write_text("")  # start_sshd adds each site's host key
     SSH_CONFIG.write_text(_client_config(sites))
     BIN_DIR.mkdir(exist_ok=True)
     wrapper = BIN_DIR / "ssh"
@@ -90,6 +92,10 @@ def start_sshd(site: Site) -> subprocess.Popen:
     site.dir.mkdir(parents=True, exist_ok=True)
     host_key = site.dir / "ssh_host_ed25519_key"
     run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", site.hostname, "-f", str(host_key)])
+    # the launcher checks this key (StrictHostKeyChecking yes), as it must a real hospital's host
+    public = Path(f"{host_key}.pub").read_text().split()[:2]
+    with KNOWN_HOSTS.open("a") as known:
+        known.write(f"{site.job_ip},{site.hostname} {' '.join(public)}\n")
     cfg = site.dir / "sshd_config"
     cfg.write_text(_sshd_config(site, host_key))
     # Join the site's cgroup before entering the namespace: `ip netns exec` remounts /sys, and

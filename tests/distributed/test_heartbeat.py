@@ -218,3 +218,30 @@ def test_the_rank_with_an_error_is_blamed_when_the_others_only_got_horovodruns_s
     assert _exit_log(text).culprit() == (1, 1)
     assert _exit_log("Process name: 2\nExit code: -11\n").culprit() == (2, -11)
     assert _exit_log("nothing failed\n").culprit() is None
+
+
+def test_hosts_ssh_would_not_trust_are_named_not_blamed_on_a_rank() -> None:
+    """horovodrun's output when ssh's host-key check fails (strict checking, an unknown or changed
+    key): the launcher names those hosts and how to check their keys, and blames no rank."""
+    from medseg.distributed.launch.launcher import ExitLog, _failed
+
+    exits = ExitLog()
+    for line in (
+        "ssh not successful for host 198.19.255.1:",
+        "No ED25519 host key is known for 198.19.255.1 and you have requested strict checking.",
+        "Host key verification failed.",
+        "",
+        "ssh not successful for host 198.19.255.2:",
+        "@    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @",
+        "Host key verification failed.",
+        "RuntimeError: could not connect to some hosts via ssh",
+    ):
+        exits.feed(line)
+    assert exits.unverified == ["198.19.255.1", "198.19.255.2"]
+    attempt = _failed(1, exits, {}, "")
+    assert attempt.rank is None and not attempt.ok
+    assert "ssh refused 198.19.255.1, 198.19.255.2" in attempt.message and "known_hosts" in attempt.message
+    other = ExitLog()
+    other.feed("ssh not successful for host 10.0.0.5:")
+    other.feed("ssh: connect to host 10.0.0.5 port 22: Connection refused")
+    assert other.unverified == []

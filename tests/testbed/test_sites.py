@@ -8,6 +8,7 @@ testbed and the ``testbed`` context manager removes it, so a failing test leaves
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -463,4 +464,37 @@ def test_a_dropped_site_that_answers_again_rejoins_at_the_next_restart(tmp_path:
     assert [r["epoch"] for r in read_metrics(metrics)] == list(range(1, 15))
     assert trained[-1] == {"b"} and {"a"} in trained, trained  # b alone at the end: it came back
     assert (run / "bundle").is_dir()
+    assert leftovers() == []
+
+
+@needs_host
+def test_the_launcher_starts_ranks_only_on_hosts_whose_key_it_knows(tmp_path: Path) -> None:
+    """horovodrun's ssh (through medseg's launcher, distributed/launch/hvdrun.py) checks host keys:
+    with the site's real key in known_hosts the rank starts; with another key in its place the
+    launch is refused and the site's sshd never sees the launcher log in."""
+    from medseg.distributed.launch.launcher import horovodrun_command
+    from medseg.distributed.testbed.ssh import KNOWN_HOSTS
+
+    pytest.importorskip("horovod.torch", reason="Horovod is built by `make setup` (scripts/build_horovod.sh)")
+    with sites.testbed(sites="a:1,b:1", wan="none", probe=False) as tb:
+        b = tb.site("b")
+        argv = [*horovodrun_command(), "-np", "1", "-H", f"{b.job_ip}:1", "--gloo"]
+        argv += shlex.split(tb.launcher_env()["MEDSEG_HOROVODRUN_ARGS"]) + ["hostname"]
+        known = subprocess.run(argv, env=tb.launcher_env(), capture_output=True, text=True, timeout=120)
+        assert known.returncode == 0 and "site-b" in known.stdout, known.stdout[-2000:] + known.stderr[-2000:]
+        logins = (b.dir / "sshd.log").read_text().count("Accepted publickey")
+        other = tmp_path / "other_key"
+        _run_ok(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)])
+        forged = " ".join(Path(f"{other}.pub").read_text().split()[:2])
+        KNOWN_HOSTS.write_text(
+            "".join(
+                f"{line.split()[0]} {forged}\n" if line.startswith(f"{b.job_ip},") else f"{line}\n"
+                for line in KNOWN_HOSTS.read_text().splitlines()
+            )
+        )
+        unknown = subprocess.run(argv, env=tb.launcher_env(), capture_output=True, text=True, timeout=120)
+        out = unknown.stdout + unknown.stderr
+        assert unknown.returncode != 0 and "site-b" not in unknown.stdout, out[-2000:]
+        assert "host key" in out.lower(), out[-2000:]
+        assert (b.dir / "sshd.log").read_text().count("Accepted publickey") == logins
     assert leftovers() == []
