@@ -7,12 +7,12 @@ import time
 from collections.abc import Sequence
 
 from medseg.distributed.testbed.netns import RELAY_STATS, link_stats
-from medseg.distributed.testbed.spec import LAUNCHER_DEV, ROUTER_NS, TUN_IN, TUN_OUT, Site, WanSpec
+from medseg.distributed.testbed.spec import LAUNCHER_DEV, ROUTER_NS, TUN_IN, TUN_OUT, Network, Site
 
 ETHERNET_HEADER = 14  # bytes a veth counts per packet beyond the IP packet
 
 
-def wan_counters(wan: WanSpec, sites: Sequence[Site]) -> dict:
+def wan_counters(wan: Network, sites: Sequence[Site]) -> dict:
     """Bytes and packets that crossed between sites, counted at the WAN boundary.
 
     With a relay (any delay or loss): the kernel's counters of the relay's TUN devices in the

@@ -38,6 +38,7 @@ from medseg.distributed.testbed.spec import (
     TUN_IN,
     TUN_OUT,
     WAN_TABLE,
+    Network,
     Site,
     SitesError,
     WanSpec,
@@ -92,7 +93,7 @@ def _ns_basics(netns: str) -> None:
     run(f"ip netns exec {netns} sysctl -q -w {ipv6_off}", check=False)
 
 
-def make_router(wan: WanSpec) -> None:
+def make_router(wan: Network) -> None:
     """The router namespace, the launcher's link to it, and (for delay or loss) the relay's TUN devices."""
     r = ROUTER_NS
     run(f"ip netns add {r}")
@@ -114,18 +115,19 @@ def make_router(wan: WanSpec) -> None:
         run(f"ip -n {r} route add {NETWORK} dev {TUN_IN} table {WAN_TABLE}")
 
 
-def _tbf(netns: str, dev: str, wan: WanSpec) -> None:
-    """Shape ``dev``'s egress to the WAN's rate, its queue sized for the bandwidth-delay product."""
+def _tbf(netns: str, dev: str, wan: WanSpec, rtt_ms: float) -> None:
+    """Shape ``dev``'s egress to the link's rate, its queue sized for the bandwidth-delay product of
+    the longest round trip through it (``rtt_ms``)."""
     rate = wan.rate_bit
     assert rate is not None
     bytes_s = rate / 8
-    rtt = 2 * wan.delay_ms / 1000
+    rtt = rtt_ms / 1000
     burst = max(int(bytes_s * 0.004), 15140)  # 4 ms of data, at least 10 full frames
     limit = int(bytes_s * rtt) + 64 * 1514  # the bandwidth-delay product plus headroom
     run(f"tc -n {netns} qdisc add dev {dev} root tbf rate {rate}bit burst {burst} limit {limit}")
 
 
-def make_site(site: Site, sites: Sequence[Site], wan: WanSpec) -> None:
+def make_site(site: Site, sites: Sequence[Site], wan: Network) -> None:
     """A site's namespace, its link to the router (shaped, policy-routed) and its /etc/hosts."""
     ns, r, dev = site.netns, ROUTER_NS, site.router_dev
     run(f"ip netns add {ns}")
@@ -142,9 +144,11 @@ def make_site(site: Site, sites: Sequence[Site], wan: WanSpec) -> None:
         run(f"ip -n {r} rule add prio {prio + 1} iif {dev} lookup {WAN_TABLE}")  # to other sites
         # Never around the relay: if wan-in is gone, inter-site packets are dropped, not sent undelayed.
         run(f"ip -n {r} rule add prio {prio + 2} iif {dev} blackhole")
-    if wan.rate_bit:
-        _tbf(ns, IFACE, wan)
-        _tbf(r, dev, wan)
+    link = wan.link(site.name)
+    if link.rate_bit:
+        rtt_ms = max([2 * wan.path(site.name, s.name).delay_ms for s in sites if s != site] or [0.0])
+        _tbf(ns, IFACE, link, rtt_ms)
+        _tbf(r, dev, link, rtt_ms)
     etc = Path("/etc/netns") / ns
     etc.mkdir(parents=True, exist_ok=True)
     # The names jobs use: the tunnel addresses in a secure testbed (Horovod's Gloo contexts take
@@ -155,12 +159,19 @@ def make_site(site: Site, sites: Sequence[Site], wan: WanSpec) -> None:
     (etc / "hosts").write_text("\n".join(lines) + "\n")
 
 
-def start_relay(wan: WanSpec, lifetime_s: float) -> subprocess.Popen:
-    """Start the WAN relay (:mod:`medseg.distributed.testbed.relay`) in the router namespace; returns its process."""
+def start_relay(wan: Network, sites: Sequence[Site], lifetime_s: float) -> subprocess.Popen:
+    """Start the WAN relay (:mod:`medseg.distributed.testbed.relay`) in the router namespace, with
+    each site's own link's delay and loss when the network has them; returns its process."""
+    shared = wan.shared
     args = (
-        f"--tun-in {TUN_IN} --tun-out {TUN_OUT} --delay-ms {wan.delay_ms} --loss {wan.loss} "
+        f"--tun-in {TUN_IN} --tun-out {TUN_OUT} --delay-ms {shared.delay_ms} --loss {shared.loss} "
         f"--max-seconds {lifetime_s} --stats {RELAY_STATS}"
     )
+    if wan.links:
+        per_site = wan.per_site
+        args += "".join(
+            f" --link {s.index}={per_site[s.name].delay_ms}:{per_site[s.name].loss}" for s in sites
+        )
     return start_daemon(in_netns(ROUTER_NS, sys.executable, str(RELAY), *args.split()), RELAY_LOG)
 
 

@@ -8,6 +8,12 @@ namespace routes every packet that a site sends to another site into the TUN dev
 destination site. A packet is dropped with probability ``--loss`` (a fraction, 0.001 = 0.1 %), or
 when more than ``--max-queue`` packets are in flight (a bounded buffer, like a real router's).
 
+Unequal links (``--link I=DELAY_MS:LOSS``, one per site index I): a packet from site i to site j is
+also held for the delay of both sites' links, d_i + d_j, and survives each link's loss
+independently, so its loss is 1 - (1 - l_i)(1 - l_j) (with ``--loss`` as a third, shared link).
+Packets leave in the order they fall due (a heap; FIFO within one pair of sites, whose delay is
+constant, so no flow is reordered).
+
 A Python relay moves some 10^4-10^5 packets per second, so it is meant for WAN rates (up to a few
 hundred Mbit/s), not for LAN speeds.
 
@@ -25,8 +31,8 @@ It imports only the standard library so that it also runs as a plain script
 from __future__ import annotations
 
 import argparse
-import collections
 import fcntl
+import heapq
 import json
 import logging
 import os
@@ -152,17 +158,43 @@ def write_stats(path: str | None, counters: Counters) -> None:
     os.replace(tmp, path)
 
 
+class Links:
+    """The delay (s) and loss of a packet by its source and destination site (module docstring)."""
+
+    def __init__(
+        self, delay_ms: float, loss: float, links: dict[int, tuple[float, float]] | None = None
+    ) -> None:
+        self.delay, self.loss = delay_ms / 1000.0, loss
+        self.links = {i: (d / 1000.0, lo) for i, (d, lo) in (links or {}).items()}
+        self._paths: dict[tuple[int, int], tuple[float, float]] = {}
+
+    def path(self, pkt: bytes) -> tuple[float, float]:
+        """(delay in s, loss) of this IPv4 packet; the shared link's alone for anything else."""
+        if not self.links or len(pkt) < 20 or pkt[0] >> 4 != 4:
+            return self.delay, self.loss
+        key = (pkt[14], pkt[18])  # third octets: the sites' indices
+        if key not in self._paths:
+            (d_src, l_src), (d_dst, l_dst) = (self.links.get(i, (0.0, 0.0)) for i in key)
+            survive = (1.0 - self.loss) * (1.0 - l_src) * (1.0 - l_dst)
+            self._paths[key] = (self.delay + d_src + d_dst, 1.0 - survive)
+        return self._paths[key]
+
+
+Queue = list[tuple[float, int, bytes]]  # a heap of (due time, arrival number, packet)
+
+
 def _queue_arrivals(
     fd_in: int,
-    queue: collections.deque[tuple[float, bytes]],
+    queue: Queue,
     counters: Counters,
     rng: random.Random,
-    loss: float,
+    links: Links,
     max_queue: int,
-    due: float,
+    now: float,
 ) -> None:
-    """Read what waits on ``fd_in`` (at most ``_READ_BATCH`` packets): each is dropped with
-    probability ``loss``, or when ``max_queue`` packets are in flight, or else queued to leave at ``due``."""
+    """Read what waits on ``fd_in`` (at most ``_READ_BATCH`` packets): each is dropped with its
+    path's loss, or when ``max_queue`` packets are in flight, or else queued to leave after its
+    path's delay."""
     for _ in range(_READ_BATCH):
         try:
             pkt = os.read(fd_in, 65536)
@@ -171,6 +203,7 @@ def _queue_arrivals(
         counters.read[0] += len(pkt)
         counters.read[1] += 1
         counters.inspect(pkt)
+        delay, loss = links.path(pkt)
         if loss > 0.0 and rng.random() < loss:
             counters.dropped_loss[0] += len(pkt)
             counters.dropped_loss[1] += 1
@@ -178,15 +211,13 @@ def _queue_arrivals(
             counters.dropped_queue[0] += len(pkt)
             counters.dropped_queue[1] += 1
         else:
-            queue.append((due, pkt))
+            heapq.heappush(queue, (now + delay, counters.read[1], pkt))
 
 
-def _send_due(
-    fd_out: int, queue: collections.deque[tuple[float, bytes]], counters: Counters, now: float
-) -> None:
-    """Write every queued packet whose time has come out of ``fd_out``, oldest first."""
+def _send_due(fd_out: int, queue: Queue, counters: Counters, now: float) -> None:
+    """Write every queued packet whose time has come out of ``fd_out``, in the order they fall due."""
     while queue and queue[0][0] <= now:
-        pkt = queue.popleft()[1]
+        pkt = heapq.heappop(queue)[2]
         try:
             os.write(fd_out, pkt)
         except OSError as exc:  # the output link is down (a cut) or full: the packet is lost
@@ -209,8 +240,10 @@ def run(
     stats: str | None = None,
     stats_every: float = 0.5,
     seed: int | None = None,
+    links: dict[int, tuple[float, float]] | None = None,
 ) -> Counters:
-    """Relay packets from ``tun_in`` to ``tun_out`` after ``delay_ms``; returns the final counters."""
+    """Relay packets from ``tun_in`` to ``tun_out`` after ``delay_ms`` (plus their sites' ``links``:
+    index -> (delay ms, loss)); returns the final counters."""
     stop = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -222,18 +255,19 @@ def run(
     signal.signal(signal.SIGINT, on_signal)
     rng = random.Random(seed)
     fd_in, fd_out = open_tun(tun_in), open_tun(tun_out)
-    delay = delay_ms / 1000.0
-    queue: collections.deque[tuple[float, bytes]] = collections.deque()
+    paths = Links(delay_ms, loss, links)
+    queue: Queue = []
     counters = Counters()
     start = time.monotonic()
     deadline = start + max_seconds
     next_stats = start
     log.info(
-        "relay %s -> %s: delay %.3f ms, loss %.4g, at most %.0f s",
+        "relay %s -> %s: delay %.3f ms, loss %.4g, site links %s, at most %.0f s",
         tun_in,
         tun_out,
         delay_ms,
         loss,
+        links or "none",
         max_seconds,
     )
     try:
@@ -247,7 +281,7 @@ def run(
                 wait = min(wait, queue[0][0] - now)
             readable, _, _ = select.select([fd_in], [], [], max(wait, 0.0))
             if readable:
-                _queue_arrivals(fd_in, queue, counters, rng, loss, max_queue, time.monotonic() + delay)
+                _queue_arrivals(fd_in, queue, counters, rng, paths, max_queue, time.monotonic())
             now = time.monotonic()
             _send_due(fd_out, queue, counters, now)
             if stats and now >= next_stats:
@@ -271,6 +305,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stats", help="write JSON counters to this file")
     p.add_argument("--stats-every", type=float, default=0.5, help="seconds between counter writes")
     p.add_argument("--seed", type=int, help="seed of the loss draws")
+    p.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="I=DELAY_MS:LOSS",
+        help="site index I's own link: its one-way delay and loss, added to every packet from or to it",
+    )
     p.add_argument("--nice", type=int, default=-10, help="scheduling priority (root may go below 0)")
     p.add_argument(
         "--rt-priority", type=int, default=10, help="SCHED_FIFO priority (1-99; 0 = normal scheduling)"
@@ -279,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not 0.0 <= args.loss < 1.0 or args.delay_ms < 0 or args.max_seconds <= 0:
         p.error("need 0 <= --loss < 1, --delay-ms >= 0 and --max-seconds > 0")
+    try:
+        links = _parse_links(args.link)
+    except ValueError as exc:
+        p.error(str(exc))
     # Late relaying is extra delay on the emulated wire: run ahead of the training processes. A
     # real-time (SCHED_FIFO) relay is woken as soon as a packet arrives or falls due, whatever the
     # machine's load; it sleeps in select() otherwise, and the kernel's RT throttling
@@ -302,8 +347,25 @@ def main(argv: list[str] | None = None) -> int:
         args.stats,
         args.stats_every,
         args.seed,
+        links,
     )
     return 0
+
+
+def _parse_links(items: list[str]) -> dict[int, tuple[float, float]]:
+    """``["1=5:0", "2=25:0.001"]`` -> ``{1: (5.0, 0.0), 2: (25.0, 0.001)}``."""
+    out = {}
+    for item in items:
+        index, _, rest = item.partition("=")
+        delay, _, loss = rest.partition(":")
+        try:
+            i, d, lo = int(index), float(delay), float(loss or 0.0)
+        except ValueError:
+            raise ValueError(f"--link {item!r}: expected I=DELAY_MS:LOSS, e.g. 2=25:0") from None
+        if not (0 <= i < 256 and d >= 0 and 0 <= lo < 1):
+            raise ValueError(f"--link {item!r}: need 0 <= I < 256, DELAY_MS >= 0 and 0 <= LOSS < 1")
+        out[i] = (d, lo)
+    return out
 
 
 if __name__ == "__main__":

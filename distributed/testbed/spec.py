@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from medseg.errors import MedsegError
@@ -124,6 +124,91 @@ def _parse_rate(spec: str, text: str) -> int:
     if rate < 8000:
         raise SitesError(f"--wan {spec!r}: rate below 8kbit is not a network tbf can emulate")
     return rate
+
+
+@dataclass(frozen=True)
+class Network:
+    """The emulated WAN: one spec for every path between two sites (``shared``, ``--wan 20mbit:25ms``),
+    or one link per site to the router (``links``, ``--wan a=100mbit:5ms,b=20mbit:25ms``).
+
+    With links, the path from site i to site j crosses both: its rate is min(r_i, r_j) (each link is
+    shaped to its own rate at both of its ends), its one-way delay d_i + d_j and its loss
+    1 - (1 - l_i)(1 - l_j) (:meth:`path`). ``shared`` is then ``none``.
+    """
+
+    shared: WanSpec
+    links: tuple[tuple[str, WanSpec], ...] = ()
+
+    @property
+    def per_site(self) -> dict[str, WanSpec]:
+        return dict(self.links)
+
+    def link(self, site: str) -> WanSpec:
+        """What shapes ``site``'s own link (its rate; the shared spec without per-site links)."""
+        return self.per_site.get(site, self.shared)
+
+    def path(self, a: str, b: str) -> WanSpec:
+        """The path between two sites, as a probe measures it."""
+        if not self.links:
+            return self.shared
+        la, lb = self.link(a), self.link(b)
+        rates = [r for r in (la.rate_bit, lb.rate_bit) if r]
+        return WanSpec(
+            min(rates) if rates else None, la.delay_ms + lb.delay_ms, 1 - (1 - la.loss) * (1 - lb.loss)
+        )
+
+    @property
+    def shaped(self) -> bool:
+        return self.shared.shaped or any(s.shaped for _, s in self.links)
+
+    @property
+    def needs_relay(self) -> bool:
+        return self.shared.needs_relay or any(s.needs_relay for _, s in self.links)
+
+    def __str__(self) -> str:
+        return ",".join(f"{n}={s}" for n, s in self.links) if self.links else str(self.shared)
+
+    def as_state(self) -> dict:
+        return {"shared": asdict(self.shared), "links": [[n, asdict(s)] for n, s in self.links]}
+
+    @classmethod
+    def from_state(cls, state: dict) -> Network:
+        if "shared" not in state:  # a state file written before per-site links: the shared spec
+            return cls(WanSpec(**state))
+        return cls(WanSpec(**state["shared"]), tuple((n, WanSpec(**s)) for n, s in state["links"]))
+
+
+def parse_network(spec: str | WanSpec | Network, sites: Sequence[str]) -> Network:
+    """``--wan``: one spec for every path (:func:`parse_wan`) or ``SITE=SPEC,...`` naming every site once."""
+    if isinstance(spec, Network):
+        if not spec.links:
+            return spec
+        network = spec
+    elif isinstance(spec, WanSpec) or "=" not in spec:
+        return Network(parse_wan(spec))
+    else:
+        links = []
+        for item in spec.split(","):
+            name, _, text = item.strip().partition("=")
+            links.append((name, parse_wan(text)))
+        network = Network(parse_wan("none"), tuple(links))
+    names = [n for n, _ in network.links]
+    if sorted(names) != sorted(sites) or len(set(names)) != len(names):
+        raise SitesError(
+            f"--wan {spec}: with one link per site, name every site once ({', '.join(sites)}), e.g. "
+            + ",".join(f"{s}=20mbit:25ms" for s in sites)
+        )
+    return network
+
+
+def dilate(wan: WanSpec, k: float) -> WanSpec:
+    """The link a k-times slower computer must see so that its runs keep a faster one's ratio of
+    communication to compute (time dilation, Gupta et al., DieCast, NSDI 2007): rate / k, delay x k;
+    loss is a per-packet fraction and stays."""
+    if k <= 0:
+        raise SitesError(f"time dilation: the factor must be > 0 (got {k:g})")
+    rate = None if wan.rate_bit is None else max(int(round(wan.rate_bit / k)), 8000)
+    return WanSpec(rate, wan.delay_ms * k, wan.loss)
 
 
 def parse_sites(spec: str | dict[str, int] | Sequence[tuple[str, int]]) -> dict[str, int]:

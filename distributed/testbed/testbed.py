@@ -85,12 +85,13 @@ from medseg.distributed.testbed.spec import (
     ROUTER_NS,
     STATE_DIR,
     WG_IFACE,
+    Network,
     Site,
     SitesError,
     WanSpec,
     parse_cpu,
+    parse_network,
     parse_sites,
-    parse_wan,
 )
 from medseg.distributed.testbed.state import lock, read_state, write_state
 from medseg.distributed.testbed.sweep import sweep
@@ -108,14 +109,14 @@ class Testbed:
     def __init__(self, state: dict) -> None:
         self.state = state
         self.sites = [Site(**s) for s in state["sites"]]
-        self.wan = WanSpec(**state["wan"])
+        self.wan = Network.from_state(state["wan"])
         self.secure = bool(state.get("secure"))
 
     @classmethod
     def up(
         cls,
         sites: str | dict[str, int],
-        wan: str | WanSpec = "none",
+        wan: str | WanSpec | Network = "none",
         cpu: str | dict[str, float] | None = None,
         *,
         probe: bool = True,
@@ -153,7 +154,10 @@ class Testbed:
                 raise
         if probe:
             try:
-                tb.probe(check=True)
+                if tb.wan.links:
+                    tb.probe_pairs(check=True)
+                else:
+                    tb.probe(check=True)
             except BaseException:
                 tb.down()
                 raise
@@ -212,7 +216,7 @@ class Testbed:
         )
 
     def _start_relay(self) -> None:
-        proc = netns.start_relay(self.wan, self.state["lifetime_s"])
+        proc = netns.start_relay(self.wan, self.sites, self.state["lifetime_s"])
         self.state["pids"]["relay"] = proc.pid
         self._save()
         netns.wait_relay_attached(proc)
@@ -361,6 +365,15 @@ class Testbed:
             "sites": sites,
         }
 
+    def probe_pairs(self, check: bool = True, seconds: float = 3.0) -> dict[str, dict]:
+        """:meth:`probe` every pair of sites (``"a-b"``: a to b), each against its own path."""
+        names = [s.name for s in self.sites]
+        return {
+            f"{a}-{b}": self.probe(a, b, check=check, seconds=seconds)
+            for i, a in enumerate(names)
+            for b in names[i + 1 :]
+        }
+
     def probe(
         self,
         src: str | None = None,
@@ -369,8 +382,9 @@ class Testbed:
         seconds: float = 3.0,
         tunnel: bool = False,
     ) -> dict:
-        """Measure RTT and throughput between two sites (default the first two) against the spec
-        (:func:`~medseg.distributed.testbed.probe.probe_wan`); with ``check``, SitesError when off.
+        """Measure RTT and throughput between two sites (default the first two) against their path's
+        spec (:meth:`Network.path`; :func:`~medseg.distributed.testbed.probe.probe_wan`); with
+        ``check``, SitesError when off.
         ``tunnel``: between the sites' tunnel addresses (a secure testbed's job path) instead of their
         WAN addresses. The default is the WAN addresses, secure or not: what ``up`` checks is the
         emulation, and the tunnel adds its own cost (user-space crypto, 60 bytes a packet: about 4 %
@@ -381,12 +395,12 @@ class Testbed:
         b = self.site(dst) if dst else self.sites[1]
         if tunnel and not self.secure:
             raise SitesError("probe: this testbed has no site link (bring it up with --secure)")
-        return probe_wan(self.wan, a, b, check=check, seconds=seconds, tunnel=tunnel)
+        return probe_wan(self.wan.path(a.name, b.name), a, b, check=check, seconds=seconds, tunnel=tunnel)
 
 
 def _initial_state(
     sites: str | dict[str, int],
-    wan: str | WanSpec,
+    wan: str | WanSpec | Network,
     cpu: str | dict[str, float] | None,
     *,
     lifetime_s: float,
@@ -395,7 +409,7 @@ def _initial_state(
 ) -> dict:
     """The state of a testbed about to come up, from the specs (checked, as is the host)."""
     names = parse_sites(sites)
-    wan_spec = parse_wan(wan)
+    network = parse_network(wan, list(names))
     cores = parse_cpu(cpu, names)
     check_host(cpu=bool(cores), secure=secure)
     site_list = [Site(n, i + 1, r, cores.get(n), secure) for i, (n, r) in enumerate(names.items())]
@@ -414,7 +428,7 @@ def _initial_state(
         "owner_pid": os.getpid() if owned else None,
         "created": time.time(),
         "sites": [asdict(s) for s in site_list],
-        "wan": asdict(wan_spec),
+        "wan": network.as_state(),
         "lifetime_s": lifetime_s,
         "secure": secure,
         "pids": {"sshd": {}, "wg": {}},
@@ -424,11 +438,12 @@ def _initial_state(
 @contextlib.contextmanager
 def testbed(
     sites: str | dict[str, int] = "a:2,b:2",
-    wan: str | WanSpec = "none",
+    wan: str | WanSpec | Network = "none",
     cpu: str | dict[str, float] | None = None,
     **kwargs,
 ) -> Iterator[Testbed]:
-    """``with testbed(sites="a:2,b:2", wan="20mbit:25ms") as tb: ...``: up, then always down."""
+    """``with testbed(sites="a:2,b:2", wan="20mbit:25ms") as tb: ...`` (or one link per site,
+    ``wan="a=100mbit:5ms,b=20mbit:25ms"``): up, then always down."""
     tb = Testbed.up(sites, wan, cpu, **kwargs)
     try:
         yield tb

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from medseg.errors import MedsegError
+from medseg.errors import ConfigError, MedsegError
 
 # synth-seg's scanner options: name -> (type, help); each is left at the scanner's default unless given.
 SCANNER_OPTIONS = {
@@ -46,6 +46,23 @@ def _synth_sites(args: argparse.Namespace) -> None:
     for site, dirs in made.items():
         print(f"site {site}: {dirs['train']}" + (f" (held out: {dirs['test']})" if "test" in dirs else ""))
         print(f"  scanner {SITE_PRESETS[args.preset][site]}")
+    print("config:\nsites:")
+    for site, dirs in made.items():
+        print(f"  {site}: {{dir: {dirs['train']}}}")
+
+
+def _split_sites(args: argparse.Namespace) -> None:
+    from medseg.datasets.site_split import parse_counts, split_sites
+
+    stored_as = None
+    if args.stored_as:
+        dtype, _, site = args.stored_as.partition("=")
+        if not dtype or not site:
+            raise ConfigError(f"--stored-as {args.stored_as!r}: expected DTYPE=SITE, e.g. uint8=c")
+        stored_as = (dtype, site)
+    made = split_sites(args.data, args.out, parse_counts(args.sites), args.test, stored_as, args.seed)
+    for site, dirs in made.items():
+        print(f"site {site}: {dirs['train']} (held out: {dirs['test']})")
     print("config:\nsites:")
     for site, dirs in made.items():
         print(f"  {site}: {{dir: {dirs['train']}}}")
@@ -130,6 +147,16 @@ def _add_synth_parsers(data: argparse._SubParsersAction) -> None:
     s.add_argument("--size", type=int, default=96, help="voxels per side before slice thinning")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_synth_sites)
+    s = data.add_parser(
+        "split-sites", help="deal a labelled dataset to unlike sites (<site>/ and held-out <site>-test/)"
+    )
+    s.add_argument("--data", type=Path, required=True, help="a dataset folder in the Decathlon layout")
+    s.add_argument("--out", type=Path, required=True, help="folder for <site>/, <site>-test/ and split.json")
+    s.add_argument("--sites", required=True, help="cases per site, held-out ones included: a=90,b=60,c=50")
+    s.add_argument("--test", type=int, default=10, help="labelled held-out cases per site (default 10)")
+    s.add_argument("--stored-as", help="DTYPE=SITE: every image stored as DTYPE goes to SITE (e.g. uint8=c)")
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=_split_sites)
 
 
 def _add_file_parsers(data: argparse._SubParsersAction) -> None:

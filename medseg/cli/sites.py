@@ -59,7 +59,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     s = sites.add_parser("up", help="make the testbed (replacing a crashed one) and probe its WAN")
     s.add_argument("--sites", required=True, help="NAME:RANKS,... e.g. a:2,b:2")
     s.add_argument(
-        "--wan", default="none", help="RATE:DELAY[:LOSS] between sites, e.g. 20mbit:25ms:0.1%%, or none"
+        "--wan",
+        default="none",
+        help="RATE:DELAY[:LOSS] between every two sites, e.g. 20mbit:25ms:0.1%%, or none; or one link per "
+        "site to the router, SITE=RATE:DELAY[:LOSS],... (a=100mbit:5ms,b=20mbit:25ms: a to b is 20 Mbit/s, 30 ms)",
     )
     s.add_argument("--cpu", help="SITE=CORES per rank, e.g. a=0.5,b=0.25 (cgroup CPU quota; optional)")
     s.add_argument("--no-probe", action="store_true", help="skip the RTT and throughput check")

@@ -24,7 +24,16 @@ from medseg.distributed.testbed.cgroups import CFS_PERIOD_US
 from medseg.distributed.testbed.host import check_host
 from medseg.distributed.testbed.netns import our_namespaces
 from medseg.distributed.testbed.probe import tcp_connect_error, tcp_connects, tcp_throughput
-from medseg.distributed.testbed.spec import SitesError, WanSpec, parse_cpu, parse_sites, parse_wan
+from medseg.distributed.testbed.spec import (
+    Network,
+    SitesError,
+    WanSpec,
+    dilate,
+    parse_cpu,
+    parse_network,
+    parse_sites,
+    parse_wan,
+)
 from medseg.distributed.testbed.sweep import leftovers
 from tests.conftest import tiny_seg_config
 
@@ -147,10 +156,10 @@ def test_up_probe_and_down_leaves_nothing() -> None:
         assert abs(report["rtt_ms"] - 50.0) <= 5.0
         assert 18.0 <= report["mbit_s"] <= 22.0
         # The probe really compares: the same link checked against a wrong spec must fail.
-        tb.wan = WanSpec(40_000_000, 10.0, 0.0)
+        tb.wan = Network(WanSpec(40_000_000, 10.0, 0.0))
         with pytest.raises(SitesError, match="does not measure as specified"):
             tb.probe(check=True, seconds=1.5)
-        tb.wan = WanSpec(20_000_000, 25.0, 0.0)
+        tb.wan = Network(WanSpec(20_000_000, 25.0, 0.0))
         # Each site is a host: its own hostname, names of all sites, no route out, its CPU quota.
         out = tb.exec_in(
             "a", ["sh", "-c", "hostname; getent hosts site-b; ip -4 route; cat /proc/self/cgroup"]
@@ -497,4 +506,48 @@ def test_the_launcher_starts_ranks_only_on_hosts_whose_key_it_knows(tmp_path: Pa
         assert unknown.returncode != 0 and "site-b" not in unknown.stdout, out[-2000:]
         assert "host key" in out.lower(), out[-2000:]
         assert (b.dir / "sshd.log").read_text().count("Accepted publickey") == logins
+    assert leftovers() == []
+
+
+def test_one_link_per_site_makes_each_path_of_both_links_and_dilation_scales_them() -> None:
+    net = parse_network("a=100mbit:5ms,b=20mbit:25ms,c=10mbit:40ms:1%", ["a", "b", "c"])
+    assert str(net) == "a=100mbit:5ms,b=20mbit:25ms,c=10mbit:40ms:1%"
+    assert net.path("a", "b") == WanSpec(20_000_000, 30.0, 0.0)
+    c_to_b = net.path("c", "b")
+    assert (c_to_b.rate_bit, c_to_b.delay_ms) == (10_000_000, 65.0) and c_to_b.loss == pytest.approx(0.01)
+    assert net.needs_relay and Network.from_state(net.as_state()) == net
+    assert parse_network("20mbit:25ms", ["a", "b"]).path("a", "b") == WanSpec(20_000_000, 25.0, 0.0)
+    for bad in ("a=20mbit:25ms", "a=20mbit:25ms,b=1mbit:5ms,b=1mbit:5ms", "a=20mbit:25ms,x=1mbit:5ms"):
+        with pytest.raises(SitesError, match="name every site once"):
+            parse_network(bad, ["a", "b"])
+    assert dilate(WanSpec(20_000_000, 25.0, 0.001), 10) == WanSpec(2_000_000, 250.0, 0.001)
+    with pytest.raises(SitesError, match="> 0"):
+        dilate(WanSpec(20_000_000, 25.0, 0.0), 0)
+
+
+def test_the_relay_holds_a_packet_for_both_of_its_sites_links() -> None:
+    from medseg.distributed.testbed.relay import Links
+
+    def packet(src: int, dst: int) -> bytes:
+        return bytes([0x45]) + bytes(11) + bytes([198, 18, src, 1, 198, 18, dst, 1]) + bytes(20)
+
+    links = Links(0.0, 0.0, {1: (5.0, 0.0), 2: (25.0, 0.1), 3: (40.0, 0.0)})
+    assert links.path(packet(1, 2)) == pytest.approx((0.030, 0.1))
+    assert links.path(packet(3, 1)) == pytest.approx((0.045, 0.0))
+    assert Links(25.0, 0.0).path(packet(1, 2)) == pytest.approx((0.025, 0.0))  # one spec for every path
+
+
+@needs_host
+def test_unequal_links_measure_as_specified_between_every_pair() -> None:
+    """Three sites, each with its own link: every pair's RTT is twice the sum of its two links'
+    delays and its rate the slower link's, within the probe's 10 % (its check raises otherwise)."""
+    with sites.testbed(
+        sites="a:1,b:1,c:1", wan="a=100mbit:5ms,b=20mbit:25ms,c=10mbit:40ms", probe=False
+    ) as tb:
+        pairs = tb.probe_pairs(check=True, seconds=2.0)
+    expected = {"a-b": (60, 20), "a-c": (90, 10), "b-c": (130, 10)}
+    assert set(pairs) == set(expected)
+    for pair, (rtt, mbit) in expected.items():
+        assert abs(pairs[pair]["rtt_ms"] - rtt) <= 0.1 * rtt, (pair, pairs[pair])
+        assert 0.85 * mbit <= pairs[pair]["mbit_s"] <= 1.05 * mbit, (pair, pairs[pair])
     assert leftovers() == []
