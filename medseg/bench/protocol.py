@@ -48,6 +48,11 @@ def at_most(name: str, value: float | None, limit: float) -> Target:
     return Target(name, value is not None and value <= limit)
 
 
+def within(name: str, value: float | None, width: float) -> Target:
+    """The two-sided target ``|value| <= width``; a figure that was not measured (None) misses it."""
+    return Target(name, value is not None and abs(value) <= width)
+
+
 def at_least(name: str, value: float | None, limit: float) -> Target:
     """The target ``value >= limit``; a figure that was not measured (None) misses it."""
     return Target(name, value is not None and value >= limit)

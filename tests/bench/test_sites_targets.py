@@ -1,5 +1,5 @@
-"""``medseg bench sites --secure``: the site link is judged against the same run in clear, and
-the WAN figures of a tunnelled job are labelled as estimates."""
+"""``medseg bench sites`` target rules: the site link judged against the same run in clear (the WAN
+figures of a tunnelled job labelled as estimates), and the two-sided Dice band in every scenario."""
 
 from __future__ import annotations
 
@@ -68,3 +68,47 @@ def test_tunnelled_payload_is_an_estimate_net_of_both_headers() -> None:
     clear = wan_figures(before, after_clear, 2)
     assert clear["wan_payload_measured"] == 9_500_000
     assert clear["wan_payload_estimated"] is False
+
+
+def _dice(**configs: float | None) -> dict:
+    return {name: {"dice_equal_epochs": d} for name, d in configs.items()}
+
+
+def test_the_dice_band_is_two_sided_against_the_hierarchical_reference() -> None:
+    targets = {
+        t.name.split(" Dice")[0]: t.met
+        for t in sites.dice_band_targets(
+            "wan20",
+            _dice(
+                **{
+                    "bsp-hier": 0.800,
+                    "bsp-none": 0.830,
+                    "gssp": 0.815,
+                    "diloco": 0.791,
+                    "fedavg": None,
+                }
+            ),
+        )
+    }
+    assert targets == {
+        "wan20: bsp-none": False,
+        "wan20: gssp": False,
+        "wan20: diloco": True,
+        "wan20: fedavg": False,
+    }
+    # a config 0.015 below the reference fails, as one 0.015 above does
+    below = sites.dice_band_targets("lan", _dice(**{"bsp-none": 0.800, "gssp": 0.785}))
+    assert [t.met for t in below] == [False] and "of bsp-none (-0.015)" in below[0].name
+    assert [t.met for t in sites.dice_band_targets("lan", _dice(**{"bsp-none": 0.8, "gssp": 0.809}))] == [
+        True
+    ]
+
+
+def test_the_band_is_judged_in_every_scenario_only_with_enough_seeds() -> None:
+    def result(seeds: int) -> dict:
+        cfg = {"dice_equal_epochs": 0.7, "samples_per_s": 1.0, "time_to_dice_s": 1.0, "max_lead_rounds": None}
+        scen = {"configs": {"bsp-none": dict(cfg), "gssp": dict(cfg, dice_equal_epochs=0.6)}}
+        return {"seeds": seeds, "dice_target": 0.5, "scenarios": {"wan100": scen}}
+
+    assert any("wan100: gssp Dice" in t.name and not t.met for t in sites.check_targets(result(3)))
+    assert not any("Dice at equal epochs within" in t.name for t in sites.check_targets(result(1)))
