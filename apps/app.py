@@ -20,7 +20,7 @@ from medseg.apps.panels import viewer
 from medseg.apps.panels.compare import compare_panel, current_second
 from medseg.apps.panels.corrections import corrections_panel
 from medseg.apps.panels.input import input_section
-from medseg.apps.panels.model import model_section, trust_section
+from medseg.apps.panels.model import apply_model_choice, model_section, remember_page_model, trust_section
 from medseg.apps.panels.results import metadata_panel, results_panel
 from medseg.apps.panels.sidebar import sidebar_models
 from medseg.apps.state import RESULT
@@ -29,9 +29,11 @@ from medseg.apps.timings import mark
 
 def main() -> None:
     st.set_page_config(page_title="medseg viewer", layout="wide")
+    apply_model_choice()  # a model chosen for a new upload, before the picker is drawn
     info = sidebar_models()
     if info is None:
         return
+    remember_page_model(info)
     # the page's two parts exist before anything is read, so the viewport can be drawn into the left
     # column while the upload is still being read (into ``head``, above it)
     head = st.container()

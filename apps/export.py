@@ -4,19 +4,18 @@
 from __future__ import annotations
 
 import copy
+import gzip
 import io
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
+import nibabel as nib
 import numpy as np
 from monai.data import MetaTensor
 from pydicom.dataset import Dataset
 from pydicom.uid import UID, generate_uid
 
 from medseg import __version__
-from medseg.datasets.nifti import save_nifti
 from medseg.errors import DataError
 
 # SOP classes a Segmentation may reference when a slice does not say which it is
@@ -38,14 +37,67 @@ def _valid_uid(value: object) -> bool:
     return bool(text) and UID(text).is_valid
 
 
+def _file_meta_uid(ds: Dataset, name: str) -> str:
+    """The file meta's copy of a dataset's SOP instance or class UID ("" when it has none): DICOM
+    files carry them twice, and anonymisers often blank only the data set's."""
+    meta = getattr(ds, "file_meta", None)
+    value = meta.get(f"MediaStorage{name}", "") if meta is not None else ""
+    return str(value or "").strip()
+
+
+def _fill_sop_instances(out: list[Dataset]) -> int:
+    """Give each slice a valid, unique SOPInstanceUID: its own, else its file meta's, else a new
+    one. Returns how many were made up."""
+    seen: set[str] = set()
+    made = 0
+    for ds in out:
+        uid = str(ds.get("SOPInstanceUID", "") or "").strip()
+        if not _valid_uid(uid) or uid in seen:
+            uid = _file_meta_uid(ds, "SOPInstanceUID")
+        if not _valid_uid(uid) or uid in seen:
+            uid = generate_uid()
+            made += 1
+        ds.SOPInstanceUID = uid
+        seen.add(uid)
+    return made
+
+
+def _fill_sop_classes(out: list[Dataset]) -> bool:
+    """Give each slice a valid SOPClassUID: its own, else its file meta's, else the image storage
+    class of its Modality (CT or MR). True when one was made up from the Modality."""
+    made = False
+    for ds in out:
+        if _valid_uid(ds.get("SOPClassUID")):
+            continue
+        meta_uid = _file_meta_uid(ds, "SOPClassUID")
+        if _valid_uid(meta_uid):
+            ds.SOPClassUID = meta_uid
+            continue
+        storage = _IMAGE_STORAGE.get(str(ds.get("Modality", "")).upper())
+        if storage is None:
+            raise DataError(
+                "the slices do not say what kind of DICOM image they are (no SOP class, and the "
+                "modality is not CT or MR), so a segmentation cannot refer to them"
+            )
+        ds.SOPClassUID = storage
+        made = True
+    return made
+
+
 def fill_missing_uids(sources: Sequence[Dataset]) -> tuple[list[Dataset], list[str]]:
-    """Copies of ``sources`` with empty or invalid UIDs replaced by new ones, and which were replaced.
+    """Copies of ``sources`` with empty or invalid UIDs replaced, and which were made up.
 
     Anonymisers often blank the Study, Series, SOP instance and frame of reference UIDs. A
     Segmentation must reference its source images by them, so each missing UID gets a fresh one
     (one Study, Series and frame of reference for the whole series, one SOP instance per slice;
-    a SOP instance UID that repeats is replaced too). A SOP class UID is filled from the Modality
-    (CT or MR image storage). Raises DataError, in plain words, when the geometry itself is missing.
+    a SOP instance UID that repeats is replaced too). A blank SOP instance or class UID is taken
+    from the file meta (MediaStorageSOPInstanceUID, MediaStorageSOPClassUID) when that holds a
+    valid one, and is then not reported as made up; a SOP class UID is otherwise filled from the
+    Modality (CT or MR image storage). Raises DataError, in plain words, when the geometry itself
+    is missing.
+
+    Each call makes new UIDs: call it once per loaded series (:class:`SegSources`), so that every
+    export of that series references the same ones.
     """
     out = [copy.deepcopy(ds) for ds in sources]
     generated: list[str] = []
@@ -56,28 +108,11 @@ def fill_missing_uids(sources: Sequence[Dataset]) -> tuple[list[Dataset], list[s
             for ds in out:
                 setattr(ds, name, uid)
             generated.append(name)
-    seen: set[str] = set()
-    replaced = 0
-    for ds in out:
-        uid = str(ds.get("SOPInstanceUID", "") or "")
-        if not _valid_uid(uid) or uid in seen:
-            uid = generate_uid()
-            ds.SOPInstanceUID = uid
-            replaced += 1
-        seen.add(uid)
-    if replaced:
-        generated.append(f"SOPInstanceUID ({replaced} of {len(out)} slices)")
-    for ds in out:
-        if not _valid_uid(ds.get("SOPClassUID")):
-            storage = _IMAGE_STORAGE.get(str(ds.get("Modality", "")).upper())
-            if storage is None:
-                raise DataError(
-                    "the slices do not say what kind of DICOM image they are (no SOP class, and the "
-                    "modality is not CT or MR), so a segmentation cannot refer to them"
-                )
-            ds.SOPClassUID = storage
-            if "SOPClassUID" not in generated:
-                generated.append("SOPClassUID")
+    made = _fill_sop_instances(out)
+    if made:
+        generated.append(f"SOPInstanceUID ({made} of {len(out)} slices)")
+    if _fill_sop_classes(out):
+        generated.append("SOPClassUID")
     for ds in out:
         missing = [a for a in _GEOMETRY if not ds.get(a)]
         if missing:
@@ -88,18 +123,53 @@ def fill_missing_uids(sources: Sequence[Dataset]) -> tuple[list[Dataset], list[s
     return out, generated
 
 
-def mask_nifti_bytes(label: MetaTensor) -> bytes:
-    """The (1, I, J, K) label map as .nii.gz bytes, with the affine of the image it was predicted on.
+@dataclass
+class SegSources:
+    """A series' slice headers as every DICOM-SEG of it references them: missing UIDs filled in
+    once (:func:`fill_missing_uids`), so the model's SEG and a corrected SEG reference one series.
 
-    Written with ``save_nifti`` (the writer ``medseg infer`` uses) into a private temporary folder.
+    ``problem`` says, in plain words, why no SEG can reference this series (then ``headers`` is empty).
     """
-    with tempfile.TemporaryDirectory(prefix="medseg-export-") as tmp:
-        path = save_nifti(
-            np.asarray(label[0].cpu().numpy(), dtype=np.uint8),
-            np.asarray(label.affine, dtype=np.float64),
-            Path(tmp) / "mask.nii.gz",
-        )
-        return path.read_bytes()
+
+    headers: list[Dataset]
+    generated: list[str]
+    problem: str | None = None
+
+
+def seg_sources(headers: Sequence[Dataset]) -> SegSources:
+    """:func:`fill_missing_uids` once for a loaded series; its DataError becomes ``problem``."""
+    try:
+        filled, generated = fill_missing_uids(headers)
+    except DataError as e:
+        return SegSources([], [], str(e))
+    return SegSources(filled, generated)
+
+
+def nifti_codes(image: MetaTensor) -> tuple[int, int]:
+    """The (sform, qform) codes of the NIfTI file ``image`` was read from, for a mask written on its
+    grid; (1, 1) (scanner coordinates) for a DICOM series or a file that set neither."""
+    try:
+        codes = (int(image.meta["sform_code"]), int(image.meta["qform_code"]))
+    except (KeyError, TypeError, ValueError):
+        return 1, 1
+    return codes if any(codes) and all(0 <= c <= 4 for c in codes) else (1, 1)
+
+
+def mask_nifti_bytes(label: MetaTensor, codes: tuple[int, int] = (1, 1)) -> bytes:
+    """The (1, I, J, K) label map as .nii.gz bytes, with the affine of the image it was predicted on
+    and that image's sform and qform codes (:func:`nifti_codes`): a scan whose sform says
+    "aligned to another scan" (code 2) gets a mask that says the same.
+
+    Written as ``save_nifti`` (the writer ``medseg infer`` uses) writes, with these codes; the
+    affine is written to both forms, as there.
+    """
+    sform_code, qform_code = codes
+    affine = np.asarray(label.affine, dtype=np.float64)
+    img = nib.Nifti1Image(np.asarray(label[0].cpu().numpy(), dtype=np.uint8), affine)
+    img.set_sform(affine, code=sform_code)
+    img.set_qform(affine, code=qform_code)
+    img.header.set_xyzt_units("mm")
+    return gzip.compress(img.to_bytes(), compresslevel=1)  # nibabel's own level for .nii.gz
 
 
 def _codes(name: str):
@@ -187,11 +257,15 @@ def mask_dicom_seg_bytes(
 
 def dicom_seg_export(
     label: MetaTensor,
-    sources: Sequence[Dataset],
+    sources: SegSources,
     labels: dict[int, str],
     model: str,
     corrected: bool = False,
 ) -> SegExport:
-    """:func:`mask_dicom_seg_bytes` over the series with missing UIDs filled in (see :func:`fill_missing_uids`)."""
-    filled, generated = fill_missing_uids(sources)
-    return SegExport(mask_dicom_seg_bytes(label, filled, labels, model, corrected), generated)
+    """:func:`mask_dicom_seg_bytes` over the series as :func:`seg_sources` filled it in, once per
+    loaded series; a DataError saying why when no SEG can reference it."""
+    if sources.problem is not None:
+        raise DataError(sources.problem)
+    return SegExport(
+        mask_dicom_seg_bytes(label, sources.headers, labels, model, corrected), sources.generated
+    )

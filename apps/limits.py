@@ -309,6 +309,15 @@ def _damaged(name: str) -> DataError:
     return DataError(f"{name} is not a readable .nii.gz file (the compression is damaged)")
 
 
+def _cut_short(name: str, layout: NiftiLayout | None, size: int) -> DataError:
+    described = f" of the {size_text(layout.total)} its header describes" if layout is not None else ""
+    return DataError(
+        f"{name} is cut short: its compressed data stops after {size_text(size)}{described}, "
+        "so the upload or an earlier copy ended early. Copy or export the file again and upload "
+        "the complete file"
+    )
+
+
 def gunzip_nifti(name: str, data: bytes | bytearray | memoryview, layout: NiftiLayout) -> bytearray:
     """The decompressed bytes of the ``.nii.gz`` upload ``name`` whose header ``layout`` describes,
     inflated no further than :func:`nifti_limit` allows; a DataError when it holds more, is damaged
@@ -331,8 +340,9 @@ def check_nifti_file(name: str, path: Path) -> NiftiLayout | None:
     than the reader's memory check allows (:func:`medseg.datasets.checks.check_memory`), when it
     holds more than its header's size allows, or when it is damaged.
 
-    A file that is not gzip-compressed, or is cut short, passes: the reader says what is wrong in
-    its own words. Returns the header's layout (None when it cannot be read; the reader reports it).
+    A file cut short (the stream ends before its end marker) is refused in plain words. A file that
+    is not gzip-compressed passes: the reader says what is wrong in its own words. Returns the
+    header's layout (None when it cannot be read; the reader reports it).
     """
     if _start(path) != GZIP_MAGIC:
         return None
@@ -346,6 +356,8 @@ def check_nifti_file(name: str, path: Path) -> NiftiLayout | None:
         raise _too_large(name, layout, limit) from None
     if got.status == "damaged":
         raise _damaged(name)
+    if got.status == "truncated":
+        raise _cut_short(name, layout, got.size)
     return layout
 
 

@@ -50,6 +50,7 @@ class ModelInfo:
     best_epoch: int | None = None
     evaluations: tuple[dict[str, Any], ...] = ()
     intensity: str = ""  # how the model normalises intensities (transforms.normalize), in words
+    channels: int = 1  # input channels (metadata.json network_data_format.inputs.image.num_channels)
 
     @property
     def title(self) -> str:
@@ -101,9 +102,78 @@ def read_info(path: str | Path) -> ModelInfo:
             best_epoch=val.get("best_epoch"),
             evaluations=tuple(_evaluations(root.parent)),
             intensity=_intensity(cfg),
+            channels=_input_channels(meta),
         )
     except (OSError, KeyError, TypeError, ValueError, ConfigError) as e:
         raise RunError(f"{root}: bundle metadata is incomplete ({type(e).__name__}: {e})") from None
+
+
+def _input_channels(meta: dict[str, Any]) -> int:
+    """The input channels the network takes, as its metadata says (1 when it does not)."""
+    image = ((meta.get("network_data_format") or {}).get("inputs") or {}).get("image") or {}
+    try:
+        return int(image.get("num_channels", 1))
+    except (TypeError, ValueError):
+        return 1
+
+
+# the words datasets and DICOM headers use for a modality -> one code per kind of scanner
+_MODALITY_CODES = {
+    "CT": "CT",
+    "MR": "MR",
+    "MRI": "MR",
+    "PT": "PT",
+    "PET": "PT",
+    "US": "US",
+    **{w: "MR" for w in ("T1", "T1W", "T1GD", "T1C", "T2", "T2W", "FLAIR", "ADC", "DWI", "PD", "SWI")},
+}
+NOT_CT = "not CT"  # a NIfTI image whose intensities are not Hounsfield units (modality not stored)
+
+
+def modality_code(text: str) -> str:
+    """One code per kind of scanner ("MRI", "T2" -> "MR"; "CT"; "PET" -> "PT"), "" when unknown."""
+    word = str(text or "").strip().upper().replace("-", "").replace(" ", "")
+    return _MODALITY_CODES.get(word, word)
+
+
+def modality_fit(model: str, image: str) -> int:
+    """2 when the model's and the image's modality agree, 0 when they differ, 1 when either is unknown.
+
+    ``image`` may be :data:`NOT_CT` (a NIfTI file, which stores no modality, whose intensities are
+    not Hounsfield units): that differs from CT and may be anything else.
+    """
+    want, given = modality_code(model), image if image == NOT_CT else modality_code(image)
+    if not want or not given:
+        return 1
+    if given == NOT_CT:
+        return 0 if want == "CT" else 1
+    return 2 if want == given else 0
+
+
+def fit(info: ModelInfo, channels: int, modality: str) -> tuple[int, int, int]:
+    """How well ``info``'s model fits an image, compared in this order: whether it takes the image's
+    channel count, whether its training modality matches (:func:`modality_fit`), whether it
+    segments (what the viewer draws and corrects) rather than classifies."""
+    return (
+        int(info.channels == channels),
+        modality_fit(info.modality, modality),
+        int(info.task == "segmentation"),
+    )
+
+
+def best_model(models: list[ModelInfo], channels: int, modality: str, current: ModelInfo) -> ModelInfo:
+    """The model that fits an image best (:func:`fit`); ``current`` when none fits better."""
+    return max(models, key=lambda m: (fit(m, channels, modality), m.bundle == current.bundle))
+
+
+def fit_reason(info: ModelInfo, channels: int, modality: str) -> str:
+    """Why ``info``'s model was chosen for an image, in words ("it segments CT images with 1
+    channel, like this one")."""
+    verb = "segments" if info.task == "segmentation" else "classifies"
+    what = f"{modality_code(info.modality)} images" if modality_code(info.modality) else "images"
+    channel_text = f"{info.channels} channel{'s' if info.channels != 1 else ''}"
+    alike = modality_fit(info.modality, modality) > 0 and info.channels == channels
+    return f"it {verb} {what} with {channel_text}, {'like this one' if alike else 'the closest match here'}"
 
 
 def dataset_facts(root: str | Path) -> dict[str, str]:

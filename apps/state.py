@@ -3,7 +3,8 @@
 Streamlit reruns the page script on every interaction; what must survive a rerun lives in the
 session. Each kept thing has a :class:`Slot` (its session key, typed) and, where it has fields, a
 dataclass: the loaded case, the model's result for it, a second mask to compare with, the user's
-corrected mask, the input's trust warnings and the bytes of a pending upload. Widget values
+corrected mask, the input's trust warnings, the bytes of a pending upload, the last upload that
+could not be read, and the model chosen for an upload. Widget values
 (sliders, pickers) stay under their widget keys, as Streamlit requires.
 """
 
@@ -15,7 +16,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import streamlit as st
 
-from medseg.apps import render, upload
+from medseg.apps import export, render, upload
 from medseg.apps.inference import Result
 
 T = TypeVar("T")
@@ -53,6 +54,9 @@ class LoadedCase:
     view: render.ViewVolume | None = None  # the image in RAS order, for the static panels
     info: dict[str, str] = field(default_factory=dict)  # the metadata table (no identifiers)
     headers: list | None = None  # DICOM: the slice headers along k, for a DICOM-SEG export
+    # DICOM: those headers as every DICOM-SEG of this case references them (UIDs filled in once;
+    # ``panels.export.case_seg_sources``)
+    seg_sources: export.SegSources | None = None
     error: str | None = None
     series: list[upload.SeriesChoice] | None = None
     # the scan as the viewport receives it: NIfTI-1 bytes, their id and file name
@@ -122,12 +126,37 @@ class TrustNotes:
 class PendingUpload:
     """The files of the latest upload, taken out of the file picker (see ``panels.input``).
 
-    ``files`` is emptied once the case is read and no series remains to be chosen.
+    ``files`` is emptied once the case is read and no series remains to be chosen. ``previous`` is
+    the upload this one replaced (its files emptied, its own ``previous`` dropped): it becomes the
+    latest again when this one cannot be read, so that the case on show stays.
     """
 
     id: int
     files: list[upload.UploadedBytes]
     case: str
+    previous: PendingUpload | None = None
+
+
+@dataclass
+class UploadFailure:
+    """An upload that could not be read, while the case before it stays on show.
+
+    ``id`` is the failed upload's number, ``name`` what the user uploaded, ``message`` why it failed.
+    """
+
+    id: int
+    name: str
+    message: str
+
+
+@dataclass
+class ModelChoice:
+    """The model the page chose for a new upload (see ``panels.model.choose_model``): ``bundle``
+    is set as the sidebar picker's value before the picker is drawn; ``note`` says why, on ``case``'s page."""
+
+    case: tuple
+    bundle: str
+    note: str
 
 
 CASE: Slot[LoadedCase] = Slot("loaded")
@@ -138,6 +167,12 @@ TRUST: Slot[TrustNotes] = Slot("trust")
 UPLOAD: Slot[PendingUpload] = Slot("upload_files")
 # counters that give a file picker a new key, so a taken file leaves it empty
 UPLOAD_GEN: Slot[int] = Slot("upload_gen")
+UPLOAD_FAILED: Slot[UploadFailure] = Slot("upload_failed")
+MODEL_CHOICE: Slot[ModelChoice] = Slot("model_choice")
+# (who put it there, bundle): the sidebar picker's model on the last run, and whether the page put
+# it there ("page": the first offered, or one chosen for an upload) or the user ("user"): the
+# page leaves a user's pick alone
+PAGE_MODEL: Slot[tuple[str, str]] = Slot("page_model")
 MASK_GEN: Slot[int] = Slot("mask_gen")
 MASK_PROBLEM: Slot[str] = Slot("mask_problem")
 # a click on "Run" kept until its result is stored (see ``panels.model``): the key it asked for

@@ -32,7 +32,7 @@ import nibabel as nib
 import nibabel.orientations as nio
 import numpy as np
 
-from medseg.apps.registry import ModelInfo, dataset_facts, is_synthetic
+from medseg.apps.registry import NOT_CT, ModelInfo, dataset_facts, is_synthetic, modality_code
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,23 @@ def _outside(values: np.ndarray, ranges: tuple[tuple[float, float], ...]) -> lis
     ]
 
 
+def _sample(data: np.ndarray) -> np.ndarray:
+    """About 64 voxels along each axis of ``data`` (first channel, stored order), as float32."""
+    shape = data.shape[:3]
+    return np.asarray(
+        data[:: max(1, shape[0] // 64), :: max(1, shape[1] // 64), :: max(1, shape[2] // 64)], np.float32
+    )
+
+
+def image_modality(data: np.ndarray, stored: str) -> str:
+    """An image's modality: the one its file stores (DICOM's Modality), else, for a NIfTI file, CT
+    when its intensities look like Hounsfield units (1st percentile at or below -200: air at -1000
+    in nearly every CT field of view), else :data:`~medseg.apps.registry.NOT_CT`."""
+    if modality_code(stored):
+        return modality_code(stored)
+    return "CT" if float(np.percentile(_sample(data), 1)) <= -200 else NOT_CT
+
+
 def input_warnings(
     info: ModelInfo,
     facts: TrainingFacts,
@@ -146,11 +163,9 @@ def input_warnings(
             f"This model was trained on synthetic images ({trained_on}), not on patient scans: "
             "its output on a real scan means nothing."
         )
-    sample = data[:: max(1, shape[0] // 64), :: max(1, shape[1] // 64), :: max(1, shape[2] // 64)]
-    sample = np.asarray(sample, dtype=np.float32)
+    sample = _sample(data)
     p1 = float(np.percentile(sample, 1))
-    want = (info.modality or "").upper()
-    given = (modality or "").upper()
+    want, given = modality_code(info.modality), modality_code(modality)  # "MRI" and "MR" are one
     if want and given and want != given:
         out.append(f"This is a {given} image; the model was trained on {want} ({trained_on}).")
     elif want == "CT" and not given and p1 > -200:

@@ -31,6 +31,7 @@ from pydicom.dataset import Dataset
 
 from medseg.apps import limits
 from medseg.apps.limits import max_upload_mb
+from medseg.apps.messages import not_a_scan, sniff
 from medseg.datasets import checks
 from medseg.datasets.dicom.header import is_dicom_bytes, read_header
 from medseg.datasets.dicom.scan import SeriesInfo, list_series
@@ -105,8 +106,11 @@ def _extract_zip(data: bytes, dest: Path, limit: int) -> list[Path]:
     """Extract regular files of a zip under ``dest``, refusing zip bombs and paths that climb out."""
     try:
         zf = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile as e:
-        raise DataError(f"the zip file cannot be opened ({e}); it may be truncated") from None
+    except zipfile.BadZipFile:
+        raise DataError(
+            "the zip cannot be opened: its list of contents, kept at the end of a zip, is missing or "
+            "damaged, so the file is probably cut short; zip the folder again and upload the complete file"
+        ) from None
     with zf:
         members = [m for m in zf.infolist() if not m.is_dir()]
         if len(members) > MAX_ZIP_MEMBERS:
@@ -135,11 +139,70 @@ def _extract_zip(data: bytes, dest: Path, limit: int) -> list[Path]:
     return out
 
 
+def _meant(name: str) -> str:
+    """What a file's name makes it out to be, for a message."""
+    low = name.lower()
+    if low.endswith(NIFTI_SUFFIXES):
+        return "a NIfTI image"
+    if low.endswith(".zip"):
+        return "a zip of a DICOM series"
+    if low.endswith((".dcm", ".dicom")):
+        return "a DICOM file"
+    return "a NIfTI, zip or DICOM file"
+
+
+def _nifti_name(name: str, data_head: bytes) -> str:
+    """A safe file name for a NIfTI upload whose suffix matches its content (nibabel reads by
+    suffix: a gzip stream must end in .nii.gz, plain bytes in .nii)."""
+    base = _safe_name(name)
+    for suffix in NIFTI_SUFFIXES:
+        if base.lower().endswith(suffix):
+            base = base[: -len(suffix)]
+            break
+    return f"{base or 'scan'}{'.nii.gz' if limits.is_gzip(data_head) else '.nii'}"
+
+
+def _kinds_in(paths: Sequence[Path]) -> str:
+    """What a zip's members are, in words ("PNG image × 3, text file × 1"), for a message."""
+    counts: dict[str, int] = {}
+    for path in paths:
+        with open(path, "rb") as f:
+            kind = sniff(f.read(limits.PIECE))
+        what = kind.what.removeprefix("an ").removeprefix("a ") if kind is not None else "unknown format"
+        counts[what] = counts.get(what, 0) + 1
+    return ", ".join(f"{what} × {n}" for what, n in sorted(counts.items(), key=lambda c: -c[1])[:4])
+
+
+def _stage_zip(upload_zip: UploadedBytes, dest: Path, limit: int) -> tuple[str, Path]:
+    """Unpack a zip: ("NIfTI", its one NIfTI file) or ("DICOM", the folder of its DICOM files)."""
+    extracted = _extract_zip(upload_zip.data, dest, limit)
+    inner = [p for p in extracted if p.name.lower().endswith(NIFTI_SUFFIXES)]
+    dicom = [p for p in extracted if _is_dicom_file(p)]
+    if len(inner) == 1 and not dicom:
+        with open(inner[0], "rb") as f:
+            kind = sniff(f.read(limits.PIECE))
+        if kind is None or kind.readable != "nifti":
+            raise DataError(not_a_scan(f"{upload_zip.name}: {inner[0].name}", kind, "a NIfTI image"))
+        return "NIfTI", inner[0]
+    if len(inner) > 1:
+        raise DataError(f"the zip holds {len(inner)} NIfTI files; upload one at a time")
+    if not dicom:
+        held = f" (it holds {_kinds_in(extracted)})" if extracted else " (it is empty)"
+        raise DataError(
+            f"{upload_zip.name} holds no DICOM files and no NIfTI file{held}; zip the folder of a DICOM series"
+        )
+    _check_deflated([(p.name, p) for p in dicom])
+    return "DICOM", dest
+
+
 @contextmanager
 def staged(files: Sequence[UploadedBytes]) -> Iterator[tuple[str, Path]]:
     """Write an upload into a temporary folder; yield ("NIfTI", file) or ("DICOM", folder).
 
-    The folder is removed on exit. Raises DataError for uploads that are neither.
+    Each file is taken for what its first bytes say it is (:func:`medseg.apps.messages.sniff`), not
+    for its name: a gzip-compressed NIfTI named ``.nii`` is read, a PNG named ``.nii.gz`` is
+    reported as a PNG image. The folder is removed on exit. Raises DataError for uploads that are
+    neither, saying what they are.
     """
     if not files:
         raise DataError("no file was uploaded")
@@ -147,44 +210,34 @@ def staged(files: Sequence[UploadedBytes]) -> Iterator[tuple[str, Path]]:
     total = sum(len(f.data) for f in files)
     if total > limit:
         raise DataError(f"the upload is {total / 2**20:.0f} MB, over the {limit / 2**20:.0f} MB limit")
+    kinds = [sniff(memoryview(f.data)[: limits.PIECE]) for f in files]
     tmp = Path(tempfile.mkdtemp(prefix="medseg-upload-"))
     try:
-        niftis = [f for f in files if f.name.lower().endswith(NIFTI_SUFFIXES)]
-        zips = [f for f in files if f.name.lower().endswith(".zip")]
-        if niftis or zips:
-            if len(files) > 1:
-                raise DataError(
-                    "upload one NIfTI file, one zip, or several DICOM files; "
-                    f"got {len(files)} files including {(niftis or zips)[0].name}"
-                )
-        if niftis:
-            path = tmp / _safe_name(files[0].name)
+        if len(files) == 1 and (kinds[0] is None or not kinds[0].readable):
+            raise DataError(not_a_scan(files[0].name, kinds[0], _meant(files[0].name)))
+        single = [
+            (f, k)
+            for f, k in zip(files, kinds, strict=True)
+            if k is not None and k.readable in ("nifti", "zip")
+        ]
+        if single and len(files) > 1:
+            raise DataError(
+                "upload one NIfTI file, one zip, or several DICOM files; "
+                f"got {len(files)} files including {single[0][0].name} ({single[0][1].what})"
+            )
+        if single and single[0][1].readable == "nifti":
+            path = tmp / _nifti_name(files[0].name, files[0].data[:2])
             path.write_bytes(files[0].data)
             yield "NIfTI", path
             return
-        if zips:
-            extracted = _extract_zip(zips[0].data, tmp / "zip", limit)
-            inner = [p for p in extracted if p.name.lower().endswith(NIFTI_SUFFIXES)]
-            dicom = [p for p in extracted if _is_dicom_file(p)]
-            if len(inner) == 1 and not dicom:
-                yield "NIfTI", inner[0]
-                return
-            if len(inner) > 1:
-                raise DataError(f"the zip holds {len(inner)} NIfTI files; upload one at a time")
-            if not dicom:
-                raise DataError(
-                    f"{zips[0].name} holds no DICOM files and no NIfTI file; zip the folder of a DICOM series"
-                )
-            _check_deflated([(p.name, p) for p in dicom])
-            yield "DICOM", tmp / "zip"
+        if single:
+            yield _stage_zip(files[0], tmp / "zip", limit)
             return
         folder = tmp / "dicom"
         folder.mkdir()
-        for n, f in enumerate(files):
-            if not _is_dicom(f.data):
-                raise DataError(
-                    f"{f.name}: not a NIfTI file (.nii, .nii.gz), a zip, or a DICOM file; upload a 3D image"
-                )
+        for n, (f, kind) in enumerate(zip(files, kinds, strict=True)):
+            if kind is None or kind.readable != "dicom":
+                raise DataError(not_a_scan(f.name, kind, "a DICOM file"))
             (folder / f"{n:05d}-{_safe_name(f.name)}").write_bytes(f.data)
         _check_deflated([(f.name, f.data) for f in files])
         yield "DICOM", folder
@@ -193,9 +246,11 @@ def staged(files: Sequence[UploadedBytes]) -> Iterator[tuple[str, Path]]:
 
 
 def _tidy(message: str, root: Path) -> str:
-    """Replace temporary folder names in an error message with 'upload'."""
+    """Replace temporary folder names in an error message with 'upload', and staged file names with
+    the uploaded ones."""
     message = message.replace(str(root), "upload")
-    return re.sub(r"/tmp/medseg-upload-[^/\s]+", "upload", message)
+    message = re.sub(r"/tmp/medseg-upload-[^/\s]+", "upload", message)
+    return re.sub(r"(?<![\w.])\d{5}-(?=[\w.-])", "", message)  # the numbered prefix staging gives a file
 
 
 def _check_volume(image: MetaTensor) -> None:
@@ -325,10 +380,12 @@ def viewer_nifti(files: Sequence[UploadedBytes]) -> ViewerNifti | None:
 def holds_its_header_size(volume: ViewerNifti) -> bool:
     """Whether the upload, sent to the browser as it is, inflates there to no more than its header
     says (+ :data:`medseg.apps.limits.SLACK`): counted here, the bytes not kept, so that a gzip
-    bomb reaches no browser either. False too for a volume the read will refuse for its size."""
-    if not volume.name.endswith(".gz"):
-        return True
+    bomb reaches no browser either. False too for a volume the read will refuse for its size, and
+    for one cut short (fewer bytes than its header describes), which the read refuses: a case that
+    will not load is not painted over the one on show."""
     layout = limits.nifti_layout(limits.head(volume.data))
+    if not volume.name.endswith(".gz"):  # complete: the read then takes it as the browser does
+        return layout is not None and len(volume.data) >= layout.total
     if layout is None:
         return False
     try:

@@ -358,6 +358,8 @@ class HorovodSession(LocalSession):
         from medseg.distributed.sync.common import assign, flat
         from medseg.distributed.sync.gssp import GroupStale
         from medseg.distributed.sync.local_sgd import LocalSGD
+        from medseg.distributed.sync.peers import DiLoCo, FedAvg
+        from medseg.distributed.sync.rounds import site_lists
 
         d = self.dist
         if d.sync in ("gssp", "ssp") and d.compression == "fp16":
@@ -373,9 +375,31 @@ class HorovodSession(LocalSession):
         self.model = model
         if self.is_chief:  # Gloo's broadcast sends the root's tensor to every other rank
             self.setup_wan_bytes += vector.numel() * 4 * sum(h != self.hosts[0] for h in self.hosts)
-        if d.sync == "bsp":
+        sites = site_lists(self.rank_sites)  # one per sites: entry, else per host
+        if d.sync in ("bsp", "bsp-hier"):
             self.optimizer = BulkSynchronous(
-                optimizer, model, d.compression, d.bits, self.rank_sites, self.channel
+                optimizer,
+                model,
+                d.compression,
+                d.bits,
+                self.rank_sites,
+                self.channel,
+                hier=d.sync == "bsp-hier",
+            )
+        elif d.sync == "fedavg":
+            self.optimizer = FedAvg(
+                optimizer, model, self.channel, sites, d.local_epochs, d.local_steps, local_norm=d.local_norm
+            )
+        elif d.sync == "diloco":
+            self.optimizer = DiLoCo(
+                optimizer,
+                model,
+                self.channel,
+                sites,
+                d.inner_steps,
+                d.outer_lr,
+                d.outer_momentum,
+                local_norm=d.local_norm,
             )
         elif d.sync == "local-sgd":
             self.optimizer = LocalSGD(optimizer, model, self.channel, d.period, local_norm=d.local_norm)

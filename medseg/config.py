@@ -107,9 +107,15 @@ class TrainConfig:
 
 @dataclass
 class DistConfig:
-    """How workers synchronise (see medseg.distributed); used when training runs on several ranks."""
+    """How workers synchronise (see medseg.distributed); used when training runs on several ranks.
 
-    sync: Literal["none", "bsp", "gssp", "ssp", "local-sgd"] = "none"
+    ``sync``: ``bsp`` (plain Horovod), ``bsp-hier`` (exact float32 average every step on medseg's
+    channel: in-site sum, sites' sums between their leaders, in-site broadcast), ``gssp``/``ssp``,
+    ``local-sgd``, and the model-averaging peers ``fedavg`` (McMahan et al. 2017) and ``diloco``
+    (Douillard et al. 2023), whose rounds run between sites (one site per ``sites:`` entry or host).
+    """
+
+    sync: Literal["none", "bsp", "bsp-hier", "gssp", "ssp", "local-sgd", "fedavg", "diloco"] = "none"
     groups: list[list[int]] = field(default_factory=list)  # explicit groups of ranks; [] = by group_by
     # gssp without groups: one group per host (site), or k-means on measured speed
     group_by: Literal["host", "speed"] = "host"
@@ -125,6 +131,16 @@ class DistConfig:
     staleness: int = 2  # gssp/ssp: rounds a group may run ahead of the slowest
     dc_lambda: float = 0.0  # gssp/ssp: DC-ASGD delay compensation strength (0 = off)
     period: int = 4  # local-sgd: steps between model averages
+    # diloco: H, inner steps of each site per round (a round also ends at every epoch's end), then
+    # an outer Nesterov step on the sample-weighted mean pseudo-gradient; the paper's H = 500,
+    # outer lr 0.7, momentum 0.9 (medseg.distributed.sync.peers.DiLoCo)
+    inner_steps: int = 500
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    # fedavg: E, local epochs per round, then the sample-weighted model average; local_steps > 0
+    # makes a round that many steps instead (a fraction of an epoch; it also ends at each epoch's end)
+    local_epochs: int = 1
+    local_steps: int = 0
     compression: Literal["none", "fp16", "fixed"] = "none"
     bits: Literal[2, 4, 8] = 4  # compression: fixed
     timeout_s: float = 120.0  # a rank silent this long is declared hung and the job is stopped
@@ -132,6 +148,36 @@ class DistConfig:
     # FedBN: normalisation layers' parameters and running statistics stay in each site (gssp, ssp,
     # local-sgd); they are averaged inside a site only and never sent to another site
     local_norm: bool = False
+
+    def check(self, epochs: int) -> None:
+        """The rules of the site-round modes (bsp-hier, fedavg, diloco) and their options."""
+        if self.inner_steps < 1 or self.local_epochs < 1 or self.local_steps < 0:
+            raise ConfigError("dist: inner_steps >= 1, local_epochs >= 1 and local_steps >= 0 are required")
+        if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ConfigError(
+                f"dist: outer_lr must be > 0 and outer_momentum in [0, 1), got {self.outer_lr}, {self.outer_momentum}"
+            )
+        peers = ("bsp-hier", "fedavg", "diloco")
+        if self.sync in peers and self.compression != "none":
+            raise ConfigError(
+                f"dist.compression: {self.sync} sends float32 (its exact baseline role); use compression: none "
+                "(fixed-bit codes between sites: sync bsp with compression fixed, or gssp)"
+            )
+        if self.sync in peers and (self.groups or self.periods):
+            raise ConfigError(
+                f"dist.groups/periods: {self.sync} forms one group per site (or host); leave them empty"
+            )
+        if self.sync == "bsp-hier" and self.local_norm:
+            raise ConfigError(
+                "dist.local_norm: bsp-hier averages every gradient; use fedavg, diloco, gssp or local-sgd"
+            )
+        if self.sync == "fedavg" and self.local_steps and self.local_epochs != 1:
+            raise ConfigError("dist: fedavg takes local_epochs or local_steps, not both")
+        if self.sync == "fedavg" and not self.local_steps and epochs % self.local_epochs:
+            raise ConfigError(
+                f"dist.local_epochs: train.epochs ({epochs}) must be a multiple of it ({self.local_epochs}), "
+                "so that the last epoch ends a round and the checkpoint holds the averaged model"
+            )
 
 
 @dataclass
@@ -281,6 +327,7 @@ def _check(cfg: Config) -> None:
             "dist: staleness >= 0, period >= 1, timeout_s > 0, profile_steps >= 1, num_groups >= 0 and "
             "min_epoch_rounds >= 1 are required"
         )
+    d.check(cfg.train.epochs)
     if d.compression == "fp16" and d.sync != "bsp":
         raise ConfigError(
             f"dist.compression: fp16 is Horovod's own compressor and works with sync: bsp only, not {d.sync}"

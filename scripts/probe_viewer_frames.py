@@ -40,11 +40,9 @@ const out = { canvas: [nv.canvas.width, nv.canvas.height] };
 nv.setSliceType(3); out.multiplanar = t();
 nv.setSliceType(0); out.axial = t();
 nv.setSliceType(3);
-const op = nv.volumes[1].opacity; nv.volumes[1].opacity = 0; nv.updateGLVolume(); out.labels_hidden = t();
-nv.volumes[1].opacity = op; nv.updateGLVolume();
-nv.opts.isOrientationTextVisible = false; out.no_orientation_text = t(); nv.opts.isOrientationTextVisible = true;
+const op = nv.drawOpacity; nv.drawOpacity = 0; out.labels_hidden = t(); nv.drawOpacity = op;
 const cw = nv.opts.crosshairWidth; nv.opts.crosshairWidth = 0; out.no_crosshair = t(); nv.opts.crosshairWidth = cw;
-nv.overlayOutlineWidth = 1; out.outlines = t(); nv.overlayOutlineWidth = 0;
+nv.drawRimOpacity = 1; out.outlines = t(); nv.drawRimOpacity = -1;
 nv.setInterpolation(true); out.nearest = t(); nv.setInterpolation(false);
 let a = performance.now();
 for (let i = 0; i < 8; i++) { gl.clear(gl.COLOR_BUFFER_BIT | gl.DEPTH_BUFFER_BIT); px(); }

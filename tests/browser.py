@@ -135,9 +135,11 @@ class Viewport:
             self.d.switch_to.default_content()
 
     def wait_volumes(self, n: int) -> None:
+        """Until the viewport shows ``n`` layers: the scan, the model's label map (in NiiVue's
+        drawing layer) and a second mask's edges (an overlay volume), in that order."""
         WebDriverWait(self.d, RESULT_TIMEOUT).until(
             lambda _: self.js(
-                "const s = window.medsegViewport; return !!(s && s.nv && s.nv.volumes.length === "
+                "const s = window.medsegViewport; return !!(s && s.nv && s.nv.volumes.length + (s.edit ? 1 : 0) === "
                 f"{n} && s.renderedAt)"
             )
         )
@@ -178,7 +180,7 @@ class Viewport:
         return self.js(
             "const l = window.medsegViewport.location; if (!l) return null;"
             "return {mm: Array.from(l.values[0].mm).slice(0, 3), vox: l.storedVox, value: l.values[0].value,"
-            " label: l.values.length > 1 ? l.values[1].value : null, text: document.getElementById('readout').textContent,"
+            " label: l.label === undefined ? null : l.label, text: document.getElementById('readout').textContent,"
             " ras: Array.from(window.medsegViewport.nv.frac2vox(window.medsegViewport.nv.scene.crosshairPos))};"
         )
 

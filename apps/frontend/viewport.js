@@ -11,9 +11,13 @@
     nv: null, ready: false, volumeId: null, labelsId: null, windowKey: null,
     labels: [], opacity: 0.5, outline: false, plane: 0, location: null,
     loadedAt: null, renderedAt: null, error: null,
-    // editing: the brush and eraser paint NiiVue's drawing layer, loaded from the model's label map
-    tool: null, editing: false, labelOrig: null, luts: null, editSeq: 0, edits: null,
-    secondId: null, secondName: "",
+    // the model's label map lives in NiiVue's drawing layer (labels.js); the brush and eraser paint it
+    tool: null, edit: null, edits: null,
+    secondId: null, secondName: "", secondShown: true,
+    // the display window the user dragged (reported to Python, which shows it as "Custom")
+    windowSeq: 0, windowDragged: false,
+    // radiological: patient's right on screen left, anterior on the left in sagittal views
+    radiological: true,
     // side by side: a second NiiVue on the same scan with the second model's labels, crosshair linked
     nv2: null, sideId: null,
     // wall-clock ms of the last new scan's steps: message in, parsed, added, drawn (the benchmark
@@ -24,13 +28,19 @@
     software: null, motion: false, motionRestMs: 200,
   };
   window.medsegViewport = state; // read by the browser tests and the benchmark
+  const { oneFramePerTick, softwareRenderer, inMotion, watchMotion, gpuDone, batch } = window.medsegFrames(state);
 
   function send(type, data) {
     window.parent.postMessage(Object.assign({ isStreamlitMessage: true, type: type }, data || {}), "*");
   }
   function setValue(value) { send("streamlit:setComponentValue", { value: value, dataType: "json" }); }
   // what Python reads: WebGL works, and the edits made since the model's label map was loaded
-  function report() { setValue(state.edits ? { webgl: true, edits: state.edits } : { webgl: true }); }
+  function report() {
+    const out = { webgl: true };
+    if (state.edits) out.edits = state.edits;
+    if (state.windowSeq) out.window = state.userWindow;
+    setValue(out);
+  }
   function fitHeight() { send("streamlit:setFrameHeight", { height: document.body.scrollHeight + 4 }); }
 
   function arrayBuffer(bytes) {
@@ -56,16 +66,27 @@
     return inv.map((row) => Math.round(row[0] * d[0] + row[1] * d[1] + row[2] * d[2]));
   }
 
+  // the label at a stored voxel of the label map (the drawing layer's stored-order copy), or null
+  function labelAt(vox) {
+    const rec = state.edit;
+    if (!rec || !vox) return null;
+    const d = rec.lab.hdr.dims;
+    if (vox.some((v, k) => v < 0 || v >= d[k + 1])) return null;
+    return rec.lab.img[vox[0] + vox[1] * d[1] + vox[2] * d[1] * d[2]];
+  }
+
   function showLocation(data) {
+    if (state.nv.medsegPainting) return; // a brush stroke does not move the crosshair (labels.js)
     state.location = data;
     const vals = data.values || [];
     const mm = vals.length ? vals[0].mm : data.mm;
     data.storedVox = storedVoxel(mm); // NiiVue's own voxel indices are in its RAS-reordered copy
     const vox = data.storedVox || (vals.length ? vals[0].vox : data.vox);
+    data.label = labelAt(data.storedVox);
     let text = `RAS ${fmt(mm[0], 1)}, ${fmt(mm[1], 1)}, ${fmt(mm[2], 1)} mm   voxel ${vox.map(Math.round).join(", ")}`;
     if (vals.length) text += `   intensity ${fmt(vals[0].value, 1)}`;
     const name = (v) => { const lab = state.labels.find((l) => l.value === v); return v === 0 ? "none" : lab ? lab.name : v; };
-    if (vals.length > 1) text += `   label ${name(Math.round(vals[1].value))}`;
+    if (data.label !== null) text += `   label ${name(data.label)}`;
     document.getElementById("readout").textContent = text;
     if (typeof data.axCorSag === "number" && data.axCorSag >= 0 && data.axCorSag <= 2) state.plane = data.axCorSag;
   }
@@ -88,85 +109,32 @@
 
   const SECOND_COLOUR = [0, 230, 255]; // the second mask: its edges (made in Python) in cyan over the model's colours
 
+  // Colours, opacities and outlines of the labels in both viewers: the drawing layer's colour
+  // table and two uniforms (labels.js ``look``), one frame; no texture of a volume is rebuilt.
   function applyLabels() {
+    for (const nv of [state.nv, state.sideId ? state.nv2 : null]) {
+      if (nv && nv.drawBitmap) window.medsegLabels.look(nv, labelLut(), state.outline);
+    }
+  }
+
+  // the second mask's cyan edges (an overlay volume): shown or hidden, its textures rebuilt once
+  function applySecond() {
     const nv = state.nv;
     if (!nv || nv.volumes.length < 2) return;
-    nv.volumes[1].setColormapLabel(labelLut());
-    // while a tool is on, the drawing layer shows the labels being edited and the overlay steps aside
-    nv.volumes[1].opacity = state.tool ? 0.0 : 1.0;
-    if (nv.volumes.length > 2) {
-      nv.volumes[2].setColormapLabel(labelLut(SECOND_COLOUR));
-      nv.volumes[2].opacity = state.secondShown === false ? 0.0 : 1.0;
-    }
-    if (state.editing) {
-      nv.setDrawColormap(labelLut());
-      nv.setDrawOpacity(state.tool ? 1.0 : 0.0);
-    }
-    nv.overlayOutlineWidth = state.outline ? 1 : 0;
-    nv.updateGLVolume();
-    const nv2 = state.nv2;
-    if (nv2 && state.sideId && nv2.volumes.length > 1) {
-      nv2.volumes[1].setColormapLabel(labelLut());
-      nv2.overlayOutlineWidth = nv.overlayOutlineWidth;
-      nv2.updateGLVolume();
-    }
+    nv.volumes[1].setColormapLabel(labelLut(SECOND_COLOUR));
+    nv.volumes[1].opacity = state.secondShown ? 1.0 : 0.0;
+    batch(nv, () => true);
+    nv.drawScene();
   }
 
-  // NiiVue's own mapping (function iD in niivue.umd.js 0.69.0, used by loadDrawing): stored voxel
-  // (a, s, t) of an image is element xlut[a] + ylut[s] + zlut[t] of its RAS-ordered drawing bitmap.
-  function rasLuts(permRAS, dims) {
-    const g = [0, 0, 0];
-    for (let s = 0; s < 3; s++) for (let a = 0; a < 3; a++) if (Math.abs(permRAS[s]) - 1 === a) g[a] = s * Math.sign(permRAS[s]);
-    let stride = 1;
-    const step = [1, 1, 1], flip = [false, false, false];
-    for (let s = 0; s < 3; s++) {
-      for (let a = 0; a < 3; a++) {
-        if (Math.abs(g[a]) === s) {
-          step[a] = stride;
-          if (g[a] < 0 || Object.is(g[a], -0)) flip[a] = true;
-          stride *= dims[a + 1];
-        }
-      }
-    }
-    const lut = (n, k, f) => Array.from({ length: n }, (_, c) => (f ? n - 1 - c : c) * k);
-    return [lut(dims[1], step[0], flip[0]), lut(dims[2], step[1], flip[1]), lut(dims[3], step[2], flip[2])];
-  }
-
-  // the model's label map becomes NiiVue's drawing layer (once per label map)
-  function startEditing() {
-    const nv = state.nv, lab = nv.volumes[1];
-    state.luts = rasLuts(lab.permRAS, lab.hdr.dims);
-    nv.loadDrawing(lab);
-    state.editing = true;
-  }
-
-  // After each stroke or undo: copy the drawing into the overlay (stored order, so the readout and
-  // the outline mode show the edit) and tell Python which voxels differ from the model's label map,
+  // After each stroke or undo (labels.js has folded it into the stored-order copy): the readout's
+  // label, the count, and the report to Python, the voxels that differ from the model's label map
   // as runs [start, length, value] over the stored i-fastest order.
-  function syncEdits() {
-    const nv = state.nv, lab = nv.volumes[1], bmp = nv.drawBitmap;
-    if (!state.editing || !lab || !bmp) return;
-    const [xl, yl, zl] = state.luts, d = lab.hdr.dims, img = lab.img, orig = state.labelOrig;
-    const runs = [];
-    let o = 0, changed = 0, run = null;
-    for (let t = 0; t < d[3]; t++) {
-      for (let s = 0; s < d[2]; s++) {
-        const base = yl[s] + zl[t];
-        for (let a = 0; a < d[1]; a++, o++) {
-          const v = bmp[xl[a] + base];
-          img[o] = v;
-          if (v !== orig[o]) {
-            changed++;
-            if (run && run[0] + run[1] === o && run[2] === v) run[1]++;
-            else { run = [o, 1, v]; runs.push(run); }
-          }
-        }
-      }
-    }
-    state.editSeq++;
-    state.edits = { base: state.labelsId, seq: state.editSeq, changed: changed, runs: runs };
-    document.getElementById("editcount").textContent = changed ? `${changed} voxels changed` : "no changes";
-    applyLabels();
+  function editStep() {
+    const rec = state.edit;
+    state.edits = { base: state.labelsId, seq: rec.seq, changed: rec.changed.size, runs: window.medsegLabels.runs(rec) };
+    document.getElementById("editcount").textContent = rec.changed.size ? `${rec.changed.size} voxels changed` : "no changes";
+    if (state.location) state.location.label = labelAt(state.location.storedVox);
     report();
   }
 
@@ -181,22 +149,30 @@
     }
   }
 
+  // NiiVue's calls, without the frame they ask for (nothing on the canvas changes)
+  function quietly(nv, fn) {
+    const draw = nv.drawScene;
+    nv.drawScene = () => {};
+    try { fn(); } finally { nv.drawScene = draw; }
+  }
+
+  // Brush, eraser or neither: the left button paints or sets the crosshair. The labels look the
+  // same either way (the drawing layer shows them in every mode), so no frame is drawn.
   function setTool(tool) {
     const nv = state.nv;
-    if (!nv || nv.volumes.length < 2) return;
+    if (!nv || !state.edit) return;
     state.tool = state.tool === tool ? null : tool;
-    if (state.tool && !state.editing) startEditing();
-    nv.opts.penSize = parseInt(document.getElementById("pensize").value, 10);
-    nv.setDrawingEnabled(!!state.tool);
-    if (state.tool) nv.setPenValue(state.tool === "eraser" ? 0 : parseInt(document.getElementById("penlabel").value, 10), false);
+    quietly(nv, () => {
+      nv.opts.penSize = parseInt(document.getElementById("pensize").value, 10);
+      nv.setDrawingEnabled(!!state.tool);
+      if (state.tool) nv.setPenValue(state.tool === "eraser" ? 0 : parseInt(document.getElementById("penlabel").value, 10), false);
+    });
     document.getElementById("brush").classList.toggle("on", state.tool === "brush");
     document.getElementById("eraser").classList.toggle("on", state.tool === "eraser");
-    applyLabels();
   }
 
   function undo() {
-    if (!state.editing) return;
-    state.nv.drawUndo();
+    if (state.edit) state.nv.drawUndo();
   }
 
   function hex(c) { return "#" + c.map((v) => v.toString(16).padStart(2, "0")).join(""); }
@@ -219,15 +195,16 @@
       });
       opacity.addEventListener("input", () => { l.opacity = parseFloat(opacity.value); applyLabels(); });
       row.dataset.label = l.name;
+      row.dataset.value = String(l.value);
       box.appendChild(row);
     }
-    if (state.nv && state.nv.volumes.length > 2) {
+    if (state.nv && state.nv.volumes.length > 1) { // the second mask's edges, an overlay
       const row = document.createElement("label");
-      row.innerHTML = `<input type="checkbox" ${state.secondShown === false ? "" : "checked"} title="show or hide">` +
+      row.innerHTML = `<input type="checkbox" ${state.secondShown ? "checked" : ""} title="show or hide">` +
         `<span style="color:${hex(SECOND_COLOUR)}">&#9632;</span><span></span>`;
       row.querySelectorAll("span")[1].textContent = state.secondName || "second mask";
       const shown = row.querySelector("input");
-      shown.addEventListener("change", () => { state.secondShown = shown.checked; applyLabels(); });
+      shown.addEventListener("change", () => { state.secondShown = shown.checked; applySecond(); });
       row.dataset.label = "second";
       box.appendChild(row);
     }
@@ -244,14 +221,61 @@
     state.nv.setPan2Dxyzmm([p[0], p[1], p[2], Math.min(Math.max(p[3] * factor, 0.25), 16)]);
   }
 
+  // the display window of the scan in both viewers: its texture is rebuilt (as NiiVue's own
+  // right-drag does), the label layers are not
   function setWindow(level, width) {
     for (const nv of [state.nv, state.sideId ? state.nv2 : null]) {
       if (!nv || !nv.volumes.length) continue;
       const v = nv.volumes[0];
       v.cal_min = level - width / 2;
       v.cal_max = level + width / 2;
-      nv.updateGLVolume();
+      nv.refreshLayers(v, 0);
+      nv.drawScene();
     }
+    showWindow();
+  }
+
+  // the window's level and width, as the page's controls give them, beside the buttons
+  function showWindow() {
+    const nv = state.nv;
+    if (!nv || !nv.volumes.length) return;
+    const v = nv.volumes[0], width = v.cal_max - v.cal_min, level = (v.cal_max + v.cal_min) / 2;
+    const d = Math.abs(width) >= 20 ? 0 : 2;
+    document.getElementById("wl").textContent = `W ${fmt(width, d)}  L ${fmt(level, d)}`;
+    return { level: level, width: width };
+  }
+
+  // A right-drag changes the window in NiiVue (windowingHandler); the new values show at once and
+  // go to Python when the button is let go, where the preset box then says "Custom".
+  function watchWindowing(nv) {
+    const handler = nv.windowingHandler.bind(nv);
+    nv.windowingHandler = (...rest) => {
+      const out = handler(...rest);
+      state.windowDragged = true;
+      showWindow();
+      return out;
+    };
+    window.addEventListener("pointerup", () => {
+      if (!state.windowDragged) return;
+      state.windowDragged = false;
+      state.windowSeq++;
+      state.userWindow = Object.assign({ seq: state.windowSeq, volume: state.volumeId }, showWindow());
+      report();
+    }, true);
+  }
+
+  // radiological (patient's right on the screen's left) or neurological (left on the left) in the
+  // axial and coronal views of both viewers; sagittal views keep anterior on the left
+  function setConvention(radiological) {
+    state.radiological = radiological;
+    for (const nv of [state.nv, state.nv2]) {
+      if (!nv) continue;
+      nv.opts.isRadiologicalConvention = radiological;
+      nv.drawScene();
+    }
+    document.getElementById("convnote").textContent = radiological
+      ? "Radiological convention: the patient's right is on the screen's left in axial and coronal views; anterior is on the left in sagittal views."
+      : "Neurological convention: the patient's left is on the screen's left in axial and coronal views; anterior is on the left in sagittal views.";
   }
 
   function step(delta) {
@@ -272,12 +296,9 @@
     outline.addEventListener("click", () => {
       state.outline = !state.outline;
       outline.classList.toggle("on", state.outline);
-      for (const v of [state.nv, state.sideId ? state.nv2 : null]) {
-        if (!v) continue;
-        v.overlayOutlineWidth = state.outline ? 1 : 0; // a uniform of the slice shader: a new frame is enough
-        v.drawScene();
-      }
+      applyLabels(); // NiiVue's drawing rim: uniforms, a new frame is enough
     });
+    document.getElementById("conv").addEventListener("change", (e) => setConvention(e.target.value === "radiological"));
     document.getElementById("brush").addEventListener("click", () => setTool("brush"));
     document.getElementById("eraser").addEventListener("click", () => setTool("eraser"));
     document.getElementById("undo").addEventListener("click", undo);
@@ -305,8 +326,12 @@
     return {
       backColor: [0, 0, 0, 1],
       crosshairColor: [1, 1, 0, 1],
+      // radiological convention in every view: patient's right on the screen's left (axial,
+      // coronal), anterior on the left in sagittal views, as the static panels and PACS show them;
+      // the letters are the viewport's own, on all four edges of each tile (``placeLetters``)
       isRadiologicalConvention: true,
-      isOrientationTextVisible: true,
+      sagittalNoseLeft: true,
+      isOrientationTextVisible: false,
       show3Dcrosshair: true,
       // The multiplanar layout shows the three planes only: the 3D render is a ray cast per pixel,
       // which in software WebGL costs several times the three slices together on every scroll or
@@ -319,94 +344,6 @@
       isResizeCanvas: true,
       loadingText: "loading the scan…",
     };
-  }
-
-  // NiiVue draws the whole canvas on each call of drawScene and then waits for the GPU
-  // (gl.finish): a click calls it three times (press twice, release once), and adding a volume
-  // blocks the page until its textures are built. With software WebGL each frame is expensive and
-  // the page's other frames (Streamlit's, the same thread) wait. Here a call only asks for a frame:
-  // the calls made before the next animation frame share one draw, and nothing waits for the GPU
-  // (the browser shows the frame when the GPU has drawn it). ``drawNow`` draws at once.
-  function oneFramePerTick(nv) {
-    let frame = 0;
-    const draw = () => {
-      if (frame) { cancelAnimationFrame(frame); frame = 0; }
-      nv.needsRefresh = false;
-      return nv.drawSceneCore();
-    };
-    nv.drawScene = () => {
-      if (!frame) frame = requestAnimationFrame(draw);
-    };
-    nv.drawNow = draw;
-  }
-
-  // Motion resolution. Without a GPU (Chrome's SwiftShader, Mesa's llvmpipe) a frame costs time in
-  // proportion to its pixels, and a full-size canvas can take longer than the 50 ms a scroll step may
-  // take (docs/benchmarks.md, "viewer", has the measurements). There,
-  // while slices are scrolled (wheel, arrow and page keys) every frame is drawn at MOTION_SCALE of the
-  // resolution along each axis (a quarter of the pixels, scaled up by the browser), and at full
-  // resolution again once scrolling has rested for state.motionRestMs, or at once when a button is
-  // pressed (a click, a brush stroke and a drag act on the full-resolution frame). Only the drawn
-  // pixels change: crosshair, readout, mm and labels are the same at either resolution. The page
-  // says so under the viewer. With a GPU a frame costs well under a millisecond, and nothing changes.
-  const MOTION_SCALE = 0.5;
-  let motionRest = 0, motionViewers = [];
-
-  function softwareRenderer(gl) {
-    const info = gl.getExtension("WEBGL_debug_renderer_info");
-    const name = String(gl.getParameter(info ? info.UNMASKED_RENDERER_WEBGL : gl.RENDERER) || "");
-    return /swiftshader|llvmpipe|softpipe|software/i.test(name) ? name : null;
-  }
-
-  // NiiVue maps a pointer to a tile with the layout of the last frame it drew, and the ratio of the
-  // current canvas size: the frame at the new size is drawn at once, so the two never disagree.
-  function drawScale(viewers, k) {
-    for (const v of viewers) {
-      v.opts.forceDevicePixelRatio = k === 1 ? 0 : (window.devicePixelRatio || 1) * k; // 0: the screen's
-      v.resizeListener(); // canvas size from the ratio
-      v.drawNow();
-    }
-  }
-
-  function fullResolution() {
-    if (!motionRest) return;
-    clearTimeout(motionRest);
-    motionRest = 0;
-    drawScale(motionViewers, 1);
-  }
-
-  function inMotion() {
-    if (!state.motion) return;
-    if (motionRest) clearTimeout(motionRest);
-    else {
-      motionViewers = [state.nv, state.sideId ? state.nv2 : null].filter(Boolean); // linked: both move
-      drawScale(motionViewers, MOTION_SCALE);
-    }
-    motionRest = setTimeout(fullResolution, state.motionRestMs);
-  }
-
-  // A wheel step goes to NiiVue first (its listener, added by attachToCanvas, comes before this
-  // one), which finds the tile under the pointer in the layout of the last frame; the resolution
-  // changes after. A button press restores full resolution before NiiVue sees it (capture).
-  function watchMotion(canvas) {
-    canvas.addEventListener("wheel", inMotion, { passive: true });
-    canvas.addEventListener("pointerdown", fullResolution, { capture: true });
-  }
-
-  // Resolves once the GPU has finished everything asked of it so far, without blocking the page
-  // (a WebGL 2 fence, polled).
-  function gpuDone(gl) {
-    const sync = gl.fenceSync(gl.SYNC_GPU_COMMANDS_COMPLETE, 0);
-    gl.flush();
-    return new Promise((resolve) => {
-      const poll = () => {
-        if (gl.getSyncParameter(sync, gl.SYNC_STATUS) === gl.SIGNALED) {
-          gl.deleteSync(sync);
-          resolve(Date.now());
-        } else setTimeout(poll, 5);
-      };
-      setTimeout(poll, 0);
-    });
   }
 
   async function init() {
@@ -422,19 +359,8 @@
         "slices are drawn at half resolution; at full resolution again as soon as you stop.";
     }
     nv.onLocationChange = showLocation;
-    nv.onDrawingChanged = (action) => { if (action === "draw" || action === "undo") syncEdits(); };
-    // NiiVue 0.69.0 draws each pen segment from the new point towards the previous one, leaving the
-    // new point itself for the next segment (drawPenLine): the last voxel of a stroke is never
-    // painted. Paint it when the stroke ends, before NiiVue keeps the stroke for undo.
-    const addUndo = nv.drawAddUndoBitmap.bind(nv);
-    nv.drawAddUndoBitmap = (...rest) => {
-      const p = nv.drawPenLocation;
-      if (nv.opts.drawingEnabled && nv.drawBitmap && p && isFinite(p[0]) && nv.drawPenAxCorSag >= 0) {
-        nv.drawPt(p[0], p[1], p[2], nv.opts.penValue);
-        nv.refreshDrawing(false, false);
-      }
-      return addUndo(...rest);
-    };
+    window.medsegLabels.install(nv, editStep); // strokes and undo: deltas, sub-region uploads
+    watchWindowing(nv);
     nv.setSliceType(SLICE.multi);
     state.nv = nv;
     state.ready = true;
@@ -467,12 +393,14 @@
     const labels = await loadNifti(args.second_filled, "second.nii");
     scan.cal_min = nv.volumes[0].cal_min;
     scan.cal_max = nv.volumes[0].cal_max;
+    window.medsegLabels.close(nv2);
     batch(nv2, () => {
       while (nv2.volumes.length) nv2.removeVolume(nv2.volumes[nv2.volumes.length - 1]);
       nv2.addVolume(scan);
-      nv2.addVolume(labels);
       return true;
     });
+    window.medsegLabels.load(nv2, labels); // its labels in its drawing layer, as the left viewer's (not edited)
+    nv2.opts.isRadiologicalConvention = nv.opts.isRadiologicalConvention;
     nv2.setSliceType(nv.opts.sliceType);
     nv2.scene.crosshairPos = nv2.mm2frac(nv.frac2mm(nv.scene.crosshairPos));
     nv.broadcastTo([nv2], SYNC);
@@ -493,37 +421,6 @@
     for (const id of ["bar", "wrap", "readout", "labels", "help"]) document.getElementById(id).style.display = "none";
     setValue({ webgl: false, reason: state.error });
     fitHeight();
-  }
-
-  // NiiVue rebuilds the textures of all its volumes (the scan's, with the 3D render's gradients)
-  // on every addVolume, removeVolume and updateGLVolume. ``batch`` makes the changes inside ``fn``
-  // (synchronous) rebuild once, at the end, and only if ``fn`` returns true.
-  //
-  // The rebuild renders the textures slice by slice and asks after each slice whether the target
-  // is complete (gl.checkFramebufferStatus): in Chrome that question waits for the GPU process to
-  // finish all the work before it, so the page's thread is held for the whole rebuild. The targets
-  // are NiiVue's own RGBA texture layers, complete by construction; during the rebuild the
-  // question is answered without the round trip, the work is queued, and the thread is free while
-  // the GPU process builds (the next frame shows the result once it is done).
-  function batch(nv, fn) {
-    const update = nv.updateGLVolume;
-    let changed = false;
-    nv.updateGLVolume = () => {};
-    try {
-      changed = fn();
-    } finally {
-      delete nv.updateGLVolume; // back to NiiVue's own method
-    }
-    if (changed) {
-      const gl = nv.gl;
-      gl.checkFramebufferStatus = () => gl.FRAMEBUFFER_COMPLETE;
-      try {
-        update.call(nv);
-      } finally {
-        delete gl.checkFramebufferStatus; // back to WebGL's own method
-      }
-    }
-    return changed;
   }
 
   function loadNifti(bytes, name) {
@@ -550,41 +447,57 @@
     // Streamlit sends the arguments again on every rerun of the page; NiiVue rebuilds and draws only
     // when something in the viewport changed. The files are parsed first, then swapped in at once.
     const newVolume = args.volume_id !== state.volumeId;
-    const newLabels = newVolume || args.labels_id !== state.labelsId || secondId(args) !== state.secondId;
+    const newLabels = newVolume || args.labels_id !== state.labelsId;
+    const newSecond = newVolume || secondKey(args) !== state.secondId;
     const preview = args.preview > 1 ? args.preview : 0; // every n-th voxel of a large scan, the full one follows
+    // a new case, unless this is the full-resolution scan of the preview on show
+    const newCase = newVolume && !state.previewShown;
     const tl = newVolume ? { message: state.messageAt, bytes: args.volume.byteLength, preview: preview } : null;
     // .nii.gz: the uploaded file itself, NiiVue gunzips it
     const img = newVolume ? await loadNifti(args.volume, args.volume_name || "scan.nii") : null;
     if (tl) tl.parsed = Date.now();
     const lab = newLabels && args.labels ? await loadNifti(args.labels, "labels.nii") : null;
-    const sec = lab && args.second ? await loadNifti(args.second, "second.nii") : null;
+    const sec = newSecond && args.second ? await loadNifti(args.second, "second.nii") : null;
     // Building a scan's textures holds this thread, which the page around the viewport shares
     // (same site, same renderer) for seconds in software WebGL: first let the page finish what it
     // has to do (draw the Run button that came with this rerun), for at most half a second.
-    if (img || lab) await new Promise((resolve) => requestIdleCallback(resolve, { timeout: 500 }));
+    if (img || lab || sec) await new Promise((resolve) => requestIdleCallback(resolve, { timeout: 500 }));
+    if (newLabels) {
+      state.labels = (args.label_info || []).map((l) => Object.assign({ shown: true, opacity: args.opacity }, l));
+      state.opacity = args.opacity;
+      closeLabels();
+    }
+    const windowKey = `${args.level}/${args.width}`;
+    // a new display preset from the page (drags change it in between); none yet: NiiVue's own window
+    const newWindow = windowKey !== state.windowKey && args.level !== null && args.width !== null;
+    if (img && newWindow) { // the new scan's texture is built with it
+      img.cal_min = args.level - args.width / 2;
+      img.cal_max = args.level + args.width / 2;
+    }
     batch(nv, () => {
       if (newVolume) {
         while (nv.volumes.length) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
         nv.addVolume(img);
         state.timeline = tl;
         state.volumeId = args.volume_id;
+        state.previewShown = !!preview;
         state.newVolume = true;
-        state.labelsId = null;
-        state.windowKey = null;
         document.getElementById("res").textContent = preview
           ? `Preview at reduced resolution (1 voxel in ${preview} along each axis); the full-resolution scan is on its way`
           : "";
       }
-      if (newLabels) replaceLabels(args, lab, sec);
-      const windowKey = `${args.level}/${args.width}`;
-      // a new display preset from the page (drags change it in between); none yet: NiiVue's own window
-      if (windowKey !== state.windowKey && args.level !== null && args.width !== null) {
-        setWindow(args.level, args.width);
-        state.windowKey = windowKey;
-        return true;
-      }
-      return newVolume || newLabels;
+      if (newSecond) replaceSecond(args, sec);
+      return newVolume || newSecond;
     });
+    if (newCase) resetView();
+    if (newLabels) showLabels(args, lab);
+    if (newLabels || newSecond) labelControls();
+    if (!newLabels && args.opacity !== state.opacity) setOpacity(args.opacity);
+    if (newWindow) {
+      if (!img) setWindow(args.level, args.width);
+      state.windowKey = windowKey;
+    }
+    showWindow();
     if (tl) tl.added = Date.now();
     await sideBySide(args);
     state.editable = !!(args.editable && args.labels);
@@ -601,36 +514,61 @@
     fitHeight();
   }
 
-  // the overlays of a new scan, a new label map or a new second mask (inside a batch)
-  function replaceLabels(args, lab, sec) {
+  // A new case: the crosshair at the centre of the volume, zoom and pan reset, and the readout
+  // describing the new scan there (the tool went off with the old label map).
+  function resetView() {
     const nv = state.nv;
-    if (state.tool) setTool(state.tool); // the tool goes off while the overlays are replaced
-    if (state.editing) nv.closeDrawing();
-    while (nv.volumes.length > 1) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
-    if (args.labels_id !== state.labelsId) {
-      state.editing = false;
-      state.edits = null;
-      document.getElementById("editcount").textContent = "";
-    }
-    state.labels = (args.label_info || []).map((l) => Object.assign({ shown: true, opacity: args.opacity }, l));
-    state.secondName = args.second_name || "";
-    if (lab) {
-      nv.addVolume(lab);
-      if (args.labels_id !== state.labelsId) state.labelOrig = Uint8Array.from(lab.img); // the model's, unedited
-      if (sec) nv.addVolume(sec);
-      if (state.edits) { // the second mask changed, the model's did not: keep the edits
-        for (const [start, n, v] of state.edits.runs) lab.img.fill(v, start, start + n);
-        state.editing = false; // the next tool reloads the drawing from the edited labels
-      }
-      applyLabels();
-    }
-    labelControls();
-    penChoices();
-    state.labelsId = args.labels_id;
-    state.secondId = secondId(args);
+    nv.scene.crosshairPos = nv.volumes.length ? nv.vox2frac(nv.frac2vox([0.5, 0.5, 0.5])) : [0.5, 0.5, 0.5]; // on a voxel
+    nv.scene.pan2Dxyzmm = [0, 0, 0, 1];
+    state.location = null;
+    document.getElementById("readout").textContent = "Click the image to place the crosshair.";
+    if (nv.volumes.length) nv.createOnLocationChange();
   }
 
-  function secondId(args) { return args.second_id || "none"; }
+  // the tool off and the label map out of the drawing layer (a new label map or a new scan follows)
+  function closeLabels() {
+    if (state.tool) setTool(state.tool);
+    window.medsegLabels.close(state.nv);
+    state.edit = null;
+    state.edits = null;
+    document.getElementById("editcount").textContent = "";
+  }
+
+  // the model's label map into the left viewer's drawing layer (after the scan's textures exist)
+  function showLabels(args, lab) {
+    if (lab) {
+      state.edit = window.medsegLabels.load(state.nv, lab);
+      applyLabels();
+    }
+    penChoices();
+    state.labelsId = args.labels_id;
+    if (state.location) showLocation(state.location); // the readout's label
+  }
+
+  // the second mask's edges as the only overlay volume (inside a batch); none in side-by-side mode
+  function replaceSecond(args, sec) {
+    const nv = state.nv;
+    while (nv.volumes.length > 1) nv.removeVolume(nv.volumes[nv.volumes.length - 1]);
+    state.secondName = args.second_name || "";
+    state.secondShown = true;
+    if (sec) {
+      sec.setColormapLabel(labelLut(SECOND_COLOUR));
+      sec.opacity = 1.0;
+      nv.addVolume(sec);
+    }
+    state.secondId = secondKey(args);
+  }
+
+  // the sidebar's overlay opacity: every label's, their sliders with them
+  function setOpacity(opacity) {
+    state.opacity = opacity;
+    for (const l of state.labels) l.opacity = opacity;
+    for (const input of document.querySelectorAll("#labels input[type=range]")) input.value = String(opacity);
+    applyLabels();
+  }
+
+  // what the left viewer draws over its labels: the second mask's edges (Python sends them only then)
+  function secondKey(args) { return args.second ? args.second_id || "none" : "none"; }
 
   window.addEventListener("message", (event) => {
     const data = event.data || {};

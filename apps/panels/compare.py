@@ -13,6 +13,7 @@ from medseg.apps.inference import run_model
 from medseg.apps.messages import problem
 from medseg.apps.registry import ModelInfo
 from medseg.apps.state import (
+    CORRECTED,
     MASK_GEN,
     MASK_PROBLEM,
     SECOND,
@@ -23,6 +24,7 @@ from medseg.apps.state import (
 )
 
 NO_SECOND, UPLOAD_MASK, OTHER_MODEL = "Nothing", "A mask file", "Another model"
+MODEL_MASK, CORRECTED_MASK = "The model's mask", "The corrected mask"
 SIDE, EDGES = "Side by side (two linked viewers)", "As cyan edges on the model's view"
 
 
@@ -129,10 +131,43 @@ def _other_model(info: ModelInfo, loaded: LoadedCase, second: SecondMask | None)
         _run_second(loaded, other, source)
 
 
-def _dice(info: ModelInfo, stored: CaseResult, second: SecondMask) -> None:
-    """How the second mask is shown, and Dice per label between it and the model's."""
+def current_correction(stored: CaseResult) -> np.ndarray | None:
+    """The corrected mask (I, J, K) the Corrections panel holds for the viewport's latest edits of
+    this result's label map, or None (no edits, every edit undone, or kept for an older step)."""
+    # the viewport's last report, under its widget key (viewer.VIEWPORT_KEY; viewer imports this module)
+    edits = (st.session_state.get("viewport") or {}).get("edits") or {}
+    kept = CORRECTED.get()
+    if not edits.get("changed") or edits.get("base") != stored.labels_id or kept is None:
+        return None
+    if kept.key != (stored.labels_id, int(edits.get("seq", 0))):
+        return None
+    return np.asarray(kept.label[0].numpy(), dtype=np.uint8)
+
+
+def _scored_mask(info: ModelInfo, stored: CaseResult) -> tuple[np.ndarray, str]:
+    """The mask Compare scores and its name: the model's, or (when the Corrections panel holds one
+    and the user picks it) the corrected one."""
     model_mask = stored.result.prediction.label[0].numpy()
-    rows = review.dice_table(model_mask, second.label, info.labels)
+    corrected = current_correction(stored)
+    if corrected is None:
+        return model_mask, info.name
+    which = st.radio(
+        "Score",
+        [MODEL_MASK, CORRECTED_MASK],
+        key="compare_scored",
+        horizontal=True,
+        help="The corrected mask is the model's with your brush and eraser edits (Corrections panel).",
+    )
+    if which == CORRECTED_MASK:
+        return corrected, f"{info.name} (corrected)"
+    return model_mask, info.name
+
+
+def _dice(info: ModelInfo, stored: CaseResult, second: SecondMask) -> None:
+    """How the second mask is shown, and Dice per label between it and the model's (or the
+    corrected) mask."""
+    mask, mask_name = _scored_mask(info, stored)
+    rows = review.dice_table(mask, second.label, info.labels)
     choice = st.radio(
         "Show the second mask",
         [SIDE, EDGES],
@@ -151,7 +186,7 @@ def _dice(info: ModelInfo, stored: CaseResult, second: SecondMask) -> None:
             [
                 {
                     "label": r["label"],
-                    f"{info.name} voxels": r["voxels A"],
+                    f"{mask_name} voxels": r["voxels A"],
                     f"{second.name} voxels": r["voxels B"],
                     "Dice": "both empty" if r["Dice"] is None else f"{r['Dice']:.3f}",
                 }

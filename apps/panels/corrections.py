@@ -9,8 +9,9 @@ import pandas as pd
 import streamlit as st
 
 from medseg.apps import review
-from medseg.apps.export import dicom_seg_export, mask_nifti_bytes
+from medseg.apps.export import dicom_seg_export, mask_nifti_bytes, nifti_codes
 from medseg.apps.messages import problem
+from medseg.apps.panels.export import case_seg_sources
 from medseg.apps.registry import ModelInfo
 from medseg.apps.state import CORRECTED, CaseResult, Correction, LoadedCase
 
@@ -26,9 +27,10 @@ def _corrected(
         return kept
     try:
         label = review.edited_label(stored.result.prediction.label, edits["runs"])
-        kept = Correction(key=key, label=label, mask=mask_nifti_bytes(label))
+        kept = Correction(key=key, label=label, mask=mask_nifti_bytes(label, nifti_codes(loaded.image)))
         if loaded.source == "DICOM" and loaded.headers:
-            kept.seg = dicom_seg_export(label, loaded.headers, info.labels, info.name, corrected=True).data
+            sources = case_seg_sources(loaded)  # the same referenced UIDs as the model's SEG
+            kept.seg = dicom_seg_export(label, sources, info.labels, info.name, corrected=True).data
     except Exception as e:  # noqa: BLE001 - the page keeps working
         st.error(problem(e))
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from medseg.apps import upload
-from medseg.apps.export import dicom_seg_export
+from medseg.apps.export import SegSources, dicom_seg_export, seg_sources
 from medseg.apps.inference import Result
 from medseg.apps.messages import problem
 from medseg.apps.registry import ModelInfo
@@ -17,6 +17,14 @@ def download_names(case: str, model: str) -> dict[str, str]:
     """Download file names: case, then model, so two cases or two models never overwrite each other."""
     stem = f"{upload.safe_stem(case)}-{upload.safe_stem(model)}"
     return {"mask": f"{stem}-mask.nii.gz", "seg": f"{stem}-seg.dcm"}
+
+
+def case_seg_sources(loaded: LoadedCase) -> SegSources:
+    """The loaded DICOM case's headers as its DICOM-SEGs reference them, made once per case: the
+    model's SEG and every corrected SEG of an anonymised series share the UIDs made up for it."""
+    if loaded.seg_sources is None:
+        loaded.seg_sources = seg_sources(loaded.headers or [])
+    return loaded.seg_sources
 
 
 def dicom_seg(
@@ -32,7 +40,7 @@ def dicom_seg(
         )
         return None, f"No DICOM-SEG for this series: {reason}. The NIfTI mask is complete.", None
     try:
-        export = dicom_seg_export(result.prediction.label, loaded.headers, bundle.labels, info.name)
+        export = dicom_seg_export(result.prediction.label, case_seg_sources(loaded), bundle.labels, info.name)
     except Exception as e:  # noqa: BLE001 - the NIfTI export still works
         return None, f"No DICOM-SEG for this series: {problem(e)} The NIfTI mask is complete.", None
     note = None
@@ -42,7 +50,7 @@ def dicom_seg(
             + ", ".join(export.generated)
             + " (it was probably anonymised). The DICOM-SEG uses newly generated UIDs for them: it "
             "holds the right slices and geometry, but a PACS will not link it to the series you "
-            "uploaded by UID."
+            "uploaded by UID. Every DICOM-SEG of this case (a corrected one too) uses the same ones."
         )
     return export.data, None, note
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,15 +13,18 @@ import streamlit as st
 
 from medseg.apps import render, upload
 from medseg.apps.messages import problem
+from medseg.apps.panels.model import choose_model
 from medseg.apps.registry import ModelInfo, demo_cases
 from medseg.apps.state import (
     CASE,
     RESULT,
     SECOND,
     UPLOAD,
+    UPLOAD_FAILED,
     UPLOAD_GEN,
     LoadedCase,
     PendingUpload,
+    UploadFailure,
     set_position,
 )
 from medseg.apps.timings import mark
@@ -54,7 +58,7 @@ def store_error(key: tuple, message: str) -> None:
 
 
 def take_upload(limit: int) -> None:
-    """The file picker; a new upload replaces the case.
+    """The file picker; a new upload replaces the case once read (:func:`keep_case_after_failure`).
 
     Streamlit's multi-file picker adds a second drop to the first. So once files arrive they are
     taken out of the picker: their bytes go into the session (:data:`~medseg.apps.state.UPLOAD`)
@@ -65,23 +69,60 @@ def take_upload(limit: int) -> None:
     gen = int(UPLOAD_GEN.get() or 0)
     files = st.file_uploader(
         f"A NIfTI file (.nii, .nii.gz), a zip of a DICOM series folder, or several DICOM files "
-        f"(up to {limit} MB; nothing leaves this machine). A new upload replaces the current case.",
+        f"(up to {limit} MB; nothing leaves this machine). A new upload replaces the current case "
+        "once it has been read.",
         accept_multiple_files=True,
         key=f"upload_{gen}",
         max_upload_size=limit,
     )
     if files:
         mark("upload in")
+        previous = UPLOAD.get()
         UPLOAD.set(
             PendingUpload(
                 id=gen + 1,
                 files=[upload.UploadedBytes(f.name, f.getvalue()) for f in files],
                 case=upload.case_name([f.name for f in files]),
+                previous=replace(previous, previous=None) if previous is not None else None,
             )
         )
         UPLOAD_GEN.set(gen + 1)
+        UPLOAD_FAILED.clear()
         st.session_state.pop("series", None)
         st.rerun()
+
+
+def keep_case_after_failure(pending: PendingUpload, key: tuple, message: str) -> bool:
+    """An upload that cannot be read: the case on show (and its result, second mask and the user's
+    corrections) stays, with the message above it; with no case on show, or for a series of the
+    upload on show, the message is the case.
+
+    The upload before the failed one becomes the latest again, so the next run finds the case on
+    show already read. True when a case was kept.
+    """
+    kept = CASE.get()
+    if kept is None or kept.image is None or kept.key[0] != "upload" or kept.key[:2] == key[:2]:
+        # nothing on show in Upload mode (a demo case read earlier is not), or another series of
+        # the same upload was chosen: the message is the case, the series picker stays
+        store_error(key, message)
+        return False
+    names = ", ".join(f.name for f in pending.files[:3]) + (" …" if len(pending.files) > 3 else "")
+    UPLOAD_FAILED.set(UploadFailure(pending.id, names, message))
+    if pending.previous is not None:
+        UPLOAD.set(pending.previous)
+    else:
+        UPLOAD.clear()
+    return True
+
+
+def show_upload_failure() -> None:
+    """The last upload's message when it could not be read and the case before it stayed on show."""
+    failed = UPLOAD_FAILED.get()
+    if failed is None:
+        return
+    kept = CASE.get()
+    said = failed.message if failed.message.startswith(failed.name) else f"{failed.name}: {failed.message}"
+    st.error(f"{said.rstrip('.')}. Nothing was replaced: the case on show is still {kept.case}.")
 
 
 def keep_direct_volume(loaded: LoadedCase, direct: upload.ViewerNifti | None, vid: str) -> None:
@@ -98,13 +139,16 @@ def keep_direct_volume(loaded: LoadedCase, direct: upload.ViewerNifti | None, vi
 
 
 def _choose_series(loaded: LoadedCase | None, base: tuple) -> tuple[list | None, str | None]:
-    """The series found in this upload on an earlier run, and the one the user picks among them."""
+    """The series found in this upload on an earlier run, and the one the user picks among them
+    (at first the one on show: after a failed upload the picker's own value is gone)."""
     series = loaded.series if loaded and loaded.key[:2] == base else None
     if not series:
         return series, None
+    uids = [c.uid for c in series]
     uid = st.selectbox(
         "This upload holds several series; choose one",
-        [c.uid for c in series],
+        uids,
+        index=uids.index(loaded.key[2]) if loaded.key[2] in uids else 0,
         format_func=lambda u: next(c.label for c in series if c.uid == u),
         key="series",
     )
@@ -132,25 +176,31 @@ def _paint_first(
     return direct, vid, first_id, early(first, first_id, direct.affine, step)
 
 
-def _read_upload(pending: PendingUpload, key: tuple, series: list | None, early: EarlyPaint | None) -> None:
-    """Read the pending upload (the series ``key[2]``, if chosen) into the loaded case."""
+def _read_upload(
+    info: ModelInfo, pending: PendingUpload, key: tuple, series: list | None, early: EarlyPaint | None
+) -> None:
+    """Read the pending upload (the series ``key[2]``, if chosen) into the loaded case, and choose
+    the model that fits it; the case on show stays when it cannot be read."""
     uid = key[2]
     mark("read start")
     direct, vid, first_id, painted = _paint_first(pending, early, uid)
+    chose = False
     with st.spinner("Reading the upload…"):
         try:
             result = upload.read_upload(pending.files, series_uid=uid)
         except Exception as e:  # noqa: BLE001 - shown in the page, the app keeps running
-            store_error(key, problem(e))
-        else:
-            if result.image is None:  # several series: ask, then read the chosen one
-                CASE.set(LoadedCase(key=key))
-                series = result.series
-                st.session_state.pop("series", None)
-            else:
-                store_image(key, result.image, result.source, pending.case, result.headers)
-                keep_direct_volume(CASE.get(), direct, vid)
-                series = series or (result.series if len(result.series) > 1 else None)
+            if keep_case_after_failure(pending, key, problem(e)):
+                st.rerun()  # the page (series picker, viewport) draws the case on show again
+            result = None  # no case was on show: the message is the case (its series still offered)
+        if result is not None and result.image is None:  # several series: ask, then read the chosen one
+            CASE.set(LoadedCase(key=key))
+            series = result.series
+            st.session_state.pop("series", None)
+        elif result is not None:
+            store_image(key, result.image, result.source, pending.case, result.headers)
+            keep_direct_volume(CASE.get(), direct, vid)
+            series = series or (result.series if len(result.series) > 1 else None)
+            chose = choose_model(info, CASE.get())
     loaded = CASE.get()
     loaded.series = series
     mark("read done")
@@ -158,11 +208,11 @@ def _read_upload(pending: PendingUpload, key: tuple, series: list | None, early:
         pending.files = []
     if loaded.image is None and series and uid is None:
         st.rerun()
-    if painted and loaded.nifti_id != first_id:
-        st.rerun()  # a preview, refused, or read differently: the next run draws what was read
+    if chose or (painted and loaded.nifti_id != first_id):
+        st.rerun()  # the model picker shows the chosen model; or the viewport draws what was read
 
 
-def _upload_input(early: EarlyPaint | None) -> bool:
+def _upload_input(info: ModelInfo, early: EarlyPaint | None) -> bool:
     """The upload picker and, for a new upload or series, the read. False when there is no case."""
     take_upload(upload.max_upload_mb())
     pending = UPLOAD.get()
@@ -175,10 +225,12 @@ def _upload_input(early: EarlyPaint | None) -> bool:
     series, uid = _choose_series(loaded, base)
     key = (*base, uid)
     if loaded is not None and loaded.key == key:
+        show_upload_failure()
         return True
     if not pending.files:
         return False  # read before and replaced by a demo case since: upload it again
-    _read_upload(pending, key, series, early)
+    _read_upload(info, pending, key, series, early)
+    show_upload_failure()
     return True
 
 
@@ -211,7 +263,7 @@ def input_section(info: ModelInfo, early: EarlyPaint | None = None) -> LoadedCas
     upload's, for the readout), and the page reruns once it is read to send the full scan.
     """
     mode = st.radio("Input", ["Upload", "Demo case"], horizontal=True, key="input_mode")
-    present = _upload_input(early) if mode == "Upload" else _demo_input(info)
+    present = _upload_input(info, early) if mode == "Upload" else _demo_input(info)
     if not present:
         return None
     loaded = CASE.get()

@@ -5,14 +5,75 @@ from __future__ import annotations
 import streamlit as st
 
 from medseg.apps import render, trust, viewport
-from medseg.apps.cache import cached_bundle, cached_facts
-from medseg.apps.export import mask_nifti_bytes
+from medseg.apps.cache import all_models, cached_bundle, cached_facts
+from medseg.apps.export import mask_nifti_bytes, nifti_codes
 from medseg.apps.inference import Result, run_model
 from medseg.apps.messages import problem
 from medseg.apps.panels.export import dicom_seg, download_names
-from medseg.apps.registry import ModelInfo
-from medseg.apps.state import RESULT, RUN_REQUESTED, TRUST, CaseResult, LoadedCase, TrustNotes, set_position
+from medseg.apps.registry import ModelInfo, best_model, fit_reason
+from medseg.apps.state import (
+    MODEL_CHOICE,
+    PAGE_MODEL,
+    RESULT,
+    RUN_REQUESTED,
+    TRUST,
+    CaseResult,
+    LoadedCase,
+    ModelChoice,
+    TrustNotes,
+    set_position,
+)
 from medseg.bundle.load import Bundle
+
+MODEL_KEY = "model"  # the sidebar picker's widget key (``panels.sidebar``)
+
+
+def remember_page_model(info: ModelInfo) -> None:
+    """Note the picker's model on every run, and who chose it: the page at first; the user once it
+    differs from the last run's without the page having set it (:func:`apply_model_choice`)."""
+    seen = PAGE_MODEL.get()
+    if seen is None:
+        PAGE_MODEL.set(("page", str(info.bundle)))
+    elif seen[1] != str(info.bundle):
+        PAGE_MODEL.set(("user", str(info.bundle)))
+
+
+def choose_model(info: ModelInfo, loaded: LoadedCase) -> bool:
+    """Choose the model that fits a new upload best (:func:`medseg.apps.registry.best_model`: its
+    input channels, then its training modality, then segmentation before classification), when
+    that is not ``info``, the one picked now, and the user has not picked ``info`` themselves.
+    True when it was chosen: the page must run again for the picker to show it
+    (:func:`apply_model_choice`)."""
+    if (PAGE_MODEL.get() or ("page", ""))[0] == "user":
+        return False  # the user's own pick stays
+    models, _ = all_models()
+    if not models:
+        return False
+    channels = int(loaded.image.shape[0])
+    modality = trust.image_modality(loaded.image[0].numpy(), str(loaded.image.meta.get("modality", "") or ""))
+    best = best_model(models, channels, modality, info)
+    if best.bundle == info.bundle:
+        return False
+    note = f"Model chosen for this upload: {best.name}, because {fit_reason(best, channels, modality)}."
+    MODEL_CHOICE.set(ModelChoice(loaded.key, str(best.bundle), note))
+    return True
+
+
+def apply_model_choice() -> None:
+    """Set the sidebar picker to the model chosen for a new upload; called before it is drawn
+    (Streamlit refuses a widget's value set after the widget)."""
+    chosen = MODEL_CHOICE.get()
+    if chosen is not None and chosen.bundle:
+        st.session_state[MODEL_KEY] = chosen.bundle
+        PAGE_MODEL.set(("page", chosen.bundle))
+        MODEL_CHOICE.set(ModelChoice(chosen.case, "", chosen.note))  # applied once; the note stays
+
+
+def model_choice_note(loaded: LoadedCase) -> None:
+    """Why the page chose the model it did for this upload (until the user uploads another)."""
+    chosen = MODEL_CHOICE.get()
+    if chosen is not None and chosen.case == loaded.key:
+        st.caption(f"{chosen.note} Another can be picked in the sidebar.")
 
 
 def trust_section(info: ModelInfo, loaded: LoadedCase) -> list[str]:
@@ -52,7 +113,7 @@ def _predict(info: ModelInfo, loaded: LoadedCase, key: tuple, bar) -> tuple[Bund
         key=key,
         result=result,
         labels_view=render.labels_to_view(label[0].numpy(), loaded.view) if label is not None else None,
-        mask=mask_nifti_bytes(label) if label is not None else None,
+        mask=mask_nifti_bytes(label, nifti_codes(loaded.image)) if label is not None else None,
         names=download_names(loaded.case, info.name),
         labels_nifti=labels_nifti,
         labels_id=viewport.digest(labels_nifti) if labels_nifti is not None else "none",
@@ -70,6 +131,7 @@ def model_section(info: ModelInfo, loaded: LoadedCase) -> Result | None:
     starts the model again.
     """
     key = (loaded.key, str(info.bundle), info.mtime)
+    model_choice_note(loaded)
     stored = RESULT.get()
     if stored and stored.key == key:
         RUN_REQUESTED.clear()

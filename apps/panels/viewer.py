@@ -14,32 +14,112 @@ from medseg.apps.state import CaseResult, LoadedCase, SecondMask
 from medseg.apps.timings import mark
 
 AUTO, CUSTOM = "Auto (1st–99th percentile)", "Custom"
+WIDE, FULL = "Wide (0.1th–99.9th percentile)", "Full range (min–max)"
 INTERACTIVE, STATIC = "Interactive (WebGL)", "Static panels"
+# the viewport's widget key: its last report (edits, a dragged window) is in the session under it
+VIEWPORT_KEY = "viewport"
+
+
+def last_report() -> dict[str, Any]:
+    """The viewport's last report ({} before it has sent one), readable before it is drawn."""
+    try:
+        value = st.session_state.get(VIEWPORT_KEY)
+    except Exception:  # noqa: BLE001 - not a widget value yet in this session
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def looks_ct(loaded: LoadedCase) -> bool:
+    """CT by its DICOM modality, or by intensities in Hounsfield units (air near -1000)."""
+    return loaded.info.get("modality") == "CT" or float(loaded.view.data.min()) < -500
+
+
+def window_presets(loaded: LoadedCase) -> dict[str, tuple[float, float]]:
+    """(level, width) per choice: CT gets the CT presets (Hounsfield units), anything else windows
+    from the scan's own intensities (percentiles of a strided sample, kept per case)."""
+    view = loaded.view
+    if looks_ct(loaded):
+        return {AUTO: view.auto_window, **render.WINDOW_PRESETS}
+    kept = st.session_state.get("mr_windows")
+    if not kept or kept[0] != loaded.key:
+        step = max(1, int(round((view.data.size / 2_000_000) ** (1 / 3))))
+        sample = view.data[::step, ::step, ::step]
+        lo, wlo, whi, hi = (float(v) for v in np.percentile(sample, [0, 0.1, 99.9, 100]))
+        kept = (
+            loaded.key,
+            {WIDE: ((wlo + whi) / 2, max(whi - wlo, 1e-3)), FULL: ((lo + hi) / 2, max(hi - lo, 1e-3))},
+        )
+        st.session_state["mr_windows"] = kept
+    return {AUTO: view.auto_window, **kept[1]}
+
+
+def _case_tag(loaded: LoadedCase) -> str:
+    """A short name of the case for the window widgets' keys: a new case starts from its defaults."""
+    return viewport.digest(repr(loaded.key).encode())
+
+
+def _window_keys(loaded: LoadedCase) -> tuple[str, str, str]:
+    tag = _case_tag(loaded)
+    return f"preset_{tag}", f"level_{tag}", f"width_{tag}"
+
+
+def _apply_preset(loaded: LoadedCase) -> None:
+    """The preset box changed: its level and width into the number boxes (Custom keeps theirs)."""
+    preset, level, width = _window_keys(loaded)
+    choice = st.session_state[preset]
+    if choice != CUSTOM:
+        st.session_state[level], st.session_state[width] = (float(v) for v in window_presets(loaded)[choice])
+
+
+def _typed_window(loaded: LoadedCase) -> None:
+    """A level or width typed in: the preset box says Custom."""
+    st.session_state[_window_keys(loaded)[0]] = CUSTOM
+
+
+def _take_dragged_window(loaded: LoadedCase, presets: dict[str, tuple[float, float]]) -> None:
+    """Set the window widgets before they are drawn: the case's defaults the first time, then a
+    window the user dragged in the viewport (reported once per drag) as Custom."""
+    preset, level, width = _window_keys(loaded)
+    if preset not in st.session_state:
+        first = next(iter(render.WINDOW_PRESETS)) if looks_ct(loaded) else AUTO
+        st.session_state[preset] = first
+        st.session_state[level], st.session_state[width] = (float(v) for v in presets[first])
+    dragged = last_report().get("window")
+    seen = st.session_state.get("window_seen")
+    if dragged and dragged.get("seq") != seen and dragged.get("volume") in (loaded.nifti_id, None, ""):
+        st.session_state["window_seen"] = dragged.get("seq")
+        st.session_state[preset] = CUSTOM
+        st.session_state[level] = float(dragged["level"])
+        st.session_state[width] = max(float(dragged["width"]), 1e-3)
 
 
 def display_controls(loaded: LoadedCase) -> tuple[float, float, float, bool]:
-    """The sidebar's display window, overlay opacity and crosshair: (level, width, opacity, crosshair)."""
+    """The sidebar's display window, overlay opacity and crosshair: (level, width, opacity, crosshair).
+
+    The presets are the modality's (CT: Hounsfield windows; other scans: percentiles of their own
+    intensities); level and width are always shown and can be typed; a typed value or a window
+    dragged in the viewport makes the preset box say Custom, and choosing a preset applies it again.
+    """
     st.sidebar.subheader("Display")
-    view = loaded.view
-    options = [AUTO, *render.WINDOW_PRESETS, CUSTOM]
-    looks_ct = loaded.info["modality"] == "CT" or float(view.data.min()) < -500
-    preset = st.sidebar.selectbox(
+    presets = window_presets(loaded)
+    _take_dragged_window(loaded, presets)
+    preset, level_key, width_key = _window_keys(loaded)
+    st.sidebar.selectbox(
         "Display window / level (screen only)",
-        options,
-        index=1 if looks_ct else 0,
-        key=f"preset_{looks_ct}",
-        help="Changes how the scan is shown, not what the model sees (its input window is in the model card).",
+        [*presets, CUSTOM],
+        key=preset,
+        on_change=_apply_preset,
+        args=(loaded,),
+        help="Changes how the scan is shown, not what the model sees (its input window is in the model card). "
+        "Right-drag on the image changes it too.",
     )
-    if preset == AUTO:
-        level, width = view.auto_window
-    elif preset == CUSTOM:
-        c1, c2 = st.sidebar.columns(2)
-        level = c1.number_input("Display level", value=float(view.auto_window[0]), key="level")
-        width = c2.number_input(
-            "Display width", value=float(view.auto_window[1]), min_value=1e-3, key="width"
-        )
-    else:
-        level, width = render.WINDOW_PRESETS[preset]
+    c1, c2 = st.sidebar.columns(2)
+    level = c1.number_input(
+        "Display level", key=level_key, on_change=_typed_window, args=(loaded,), format="%g"
+    )
+    width = c2.number_input(
+        "Display width", min_value=1e-3, key=width_key, on_change=_typed_window, args=(loaded,), format="%g"
+    )
     opacity = st.sidebar.slider("Overlay opacity", 0.0, 1.0, 0.4, 0.05, key="opacity")
     crosshair = st.sidebar.checkbox("Crosshair", value=True, key="crosshair")
     return float(level), float(width), float(opacity), crosshair
@@ -87,7 +167,7 @@ def first_paint(
     window (``step`` > 1: a reduced-resolution preview). Returns the viewport's report."""
     mark("viewport call")
     spec = viewport.ViewportSpec(volume.data, volume_id, affine, volume_name=volume.name, preview=step)
-    return viewport.viewport(spec)
+    return viewport.viewport(spec, key=VIEWPORT_KEY)
 
 
 def case_spec(
@@ -155,10 +235,14 @@ def viewer(
         reported = early["report"]
         if reported is None:
             show_static = True
+        else:
+            # the first paint went out before the scan was read, in NiiVue's own window: draw the
+            # page once more, now with the new case's display window (its preset box's)
+            st.rerun()
     elif mode == INTERACTIVE:
         spec = case_spec(loaded, stored, info, second, (level, width, opacity))
         mark("viewport call")
-        reported = viewport.viewport(spec)
+        reported = viewport.viewport(spec, key=VIEWPORT_KEY)
         if reported is None:
             show_static = True  # until the browser says whether WebGL works
         elif not reported.get("webgl", False):

@@ -69,13 +69,13 @@ waits in a loop of its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from medseg.distributed.comm.checks import UpdateGuard, check_tensor, refuse_update
+from medseg.distributed.comm.checks import UpdateGuard, UpdateRefused, check_tensor, refuse_update
 from medseg.distributed.comm.compression import (
     DEFAULT,
     SCALE_NBYTES,
@@ -340,3 +340,179 @@ class CompressedAllreduce:
                 chunks[k].append(decode(gathered[offset : offset + nb], self.bits, sizes[k][j]))
                 offset += nb
         return {k: torch.cat(chunks[k]).view(t.shape).to(t.dtype) for k, t in tensors.items()}
+
+
+def site_verdict(
+    site_group: Any,
+    leader: int,
+    payload: Tensor | None,
+    error: UpdateRefused | None,
+    sources: Sequence[str],
+    numel: int,
+    what: str,
+    leader_name: str,
+    kind: str = "control",
+) -> Tensor:
+    """The site leader's checked ``payload`` (``numel`` float32 values) and verdict on every member.
+
+    Members receive ``[payload, verdict]`` in one in-site broadcast (verdict 0: accepted; h + 1: the
+    leader refused ``sources[h]``'s part), so a whole site stops with its leader, naming the same
+    source, and nobody applies anything. ``site_group`` is None for a site of one rank. Returns the
+    payload; raises :class:`UpdateRefused` on a refusal.
+    """
+    verdict = 0.0 if error is None else float(list(sources).index(error.source) + 1)
+    if site_group is not None:
+        box = torch.zeros(numel + 1)
+        if payload is not None:
+            box[:numel] = payload
+        box[numel] = verdict
+        site_group.broadcast_(box, leader, kind=kind)
+        payload, verdict = box[:numel], float(box[numel])
+    if error is not None:
+        raise error
+    if verdict:
+        raise refuse_update(
+            sources[int(verdict) - 1],
+            what,
+            f"refused by this site's leader, {leader_name}, whose log has the numbers",
+        )
+    assert payload is not None
+    return payload
+
+
+class HierarchicalAllreduce:
+    """Exact float32 average over ranks in several sites, on medseg's channel (``bsp-hier``).
+
+    ``S`` sites of ``m_s`` ranks, ``N = sum_s m_s``; every call averages a dict of float tensors
+    ``x_r`` (flattened into one float32 vector of ``n`` elements) over all ``N`` ranks:
+
+    1. *In the site* (LAN): one ring allreduce (sum) over the site's group,
+       ``S_s = sum_{r in s} x_r``.
+    2. *Across sites* (WAN): the site leaders (each site's lowest rank) allgather their ``S_s``.
+       Every leader checks every site's mean ``S_s / m_s`` by the norm rule of
+       :mod:`medseg.distributed.comm.checks` (its own site's mean the reference) and forms
+       ``x̄ = (1/N) sum_s S_s``, summed in site order, so every leader holds the same bits.
+    3. *In the site* (LAN): the leader broadcasts ``[x̄, verdict]`` to its members
+       (:func:`site_verdict`): every rank of every site holds the same ``x̄`` or stops on the same
+       refusal.
+
+    ``x̄`` is the rank-weighted mean that plain Horovod's ``hvd.Average`` computes; only the order of
+    the float32 additions differs (tests/distributed/mp/peers_replay.py compares the two).
+    An allgather rather than an allreduce between the leaders, so that each site's part can be
+    checked and a failing site named (as :func:`medseg.distributed.sync.common.average_model` does).
+
+    Byte model (this worker, one call; :attr:`last_bytes`): ``site_allreduce``
+    ``2 (m_s-1)/m_s * 4n`` (ring); ``leaders_allgather`` ``(S-1) * 4n`` on a leader (ring allgather:
+    it forwards every other site's block once), the only bytes that cross between sites;
+    ``site_broadcast`` ``(m_s-1) * 4(n+1)`` on a leader (one copy to each member). Over the job the
+    WAN carries ``S (S-1) * 4n`` per call, against ``S * 2 (N-1)/N * 4n`` for a flat float32 ring
+    over sites of contiguous ranks (12n at 2 sites x 2 ranks; 8n here).
+
+    Args:
+        sites: the ranks of each site (global rank numbers, each rank in exactly one site).
+        rank: this worker's global rank.
+        make_group: ``make_group(tag, ranks)``, :meth:`medseg.distributed.comm.channel.Channel.make_group`.
+        name: prefix of the groups' store tags (unique in the job).
+        describe: how errors name a global rank (``rank 2 (site b)``).
+    """
+
+    STEPS = ("site_allreduce", "leaders_allgather", "site_broadcast")
+
+    def __init__(
+        self,
+        sites: Sequence[Sequence[int]],
+        rank: int,
+        make_group: Callable[[str, list[int]], Any],
+        name: str = "hier",
+        describe: Callable[[int], str] | None = None,
+    ) -> None:
+        self.sites = [sorted(int(r) for r in s) for s in sites]
+        everyone = [r for s in self.sites for r in s]
+        if not self.sites or any(not s for s in self.sites) or len(set(everyone)) != len(everyone):
+            raise ConfigError(f"hierarchical allreduce: sites {self.sites} must partition the ranks")
+        if rank not in everyone:
+            raise ConfigError(f"hierarchical allreduce: rank {rank} is in none of the sites {self.sites}")
+        self.rank, self.n = rank, len(everyone)
+        self.describe = describe or (lambda r: f"rank {r}")
+        self.site_index = next(k for k, s in enumerate(self.sites) if rank in s)
+        site = self.sites[self.site_index]
+        self.m, self.leader = len(site), site[0]
+        self.site_group = make_group(f"{name}/site{'-'.join(map(str, site))}/", site) if self.m > 1 else None
+        leaders = [s[0] for s in self.sites]
+        self.leaders_group = (
+            make_group(f"{name}/leaders/", leaders) if rank == self.leader and len(self.sites) > 1 else None
+        )
+        self.sources = [self.describe(r) for r in leaders]
+        self.guards: dict[str, UpdateGuard] = {}
+        self.last_bytes: dict[str, float] = dict.fromkeys(self.STEPS, 0.0)
+        self.last_bytes_sent = self.last_lan_bytes = self.last_wan_bytes = 0.0
+
+    def expected_bytes(self, numel: int) -> dict[str, float]:
+        """This worker's bytes per step of one call of ``numel`` elements (class docstring)."""
+        out = dict.fromkeys(self.STEPS, 0.0)
+        if self.m > 1:
+            out["site_allreduce"] = CompressedAllreduce.ring_allreduce_bytes(numel, 4, self.m)
+        if self.rank == self.leader:
+            out["leaders_allgather"] = float((len(self.sites) - 1) * 4 * numel)
+            out["site_broadcast"] = float((self.m - 1) * 4 * (numel + 1))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # exact: no residuals
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore (exact averages keep no state)."""
+
+    def __call__(
+        self, tensors: Mapping[str, Tensor], kind: str = "gradients", what: str = "gradients"
+    ) -> dict[str, Tensor]:
+        """The average of ``tensors`` over every rank: same keys, shapes and dtypes.
+
+        ``kind`` names the buffers for the audit (:mod:`medseg.distributed.comm.audit`); ``what`` names
+        them in a refusal, and each ``what`` keeps its own history of accepted norms.
+        """
+        for key, t in tensors.items():
+            if not isinstance(t, Tensor) or not t.is_floating_point():
+                raise ConfigError(f"hierarchical allreduce: {key!r} must be a floating-point tensor")
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors.values()])
+        if self.site_group is not None:  # 1.
+            self.site_group.allreduce_(flat, kind=kind)
+        total, error = None, None
+        if self.rank == self.leader:
+            try:
+                total = self._across_sites(flat, kind, what) / self.n  # 2.
+            except UpdateRefused as exc:
+                error = exc
+        what_site = f"{what} (a site's mean)"
+        leader_name = self.describe(self.leader)
+        flat = site_verdict(
+            self.site_group,
+            self.leader,
+            total,
+            error,
+            self.sources,
+            flat.numel(),
+            what_site,
+            leader_name,
+            kind,
+        )  # 3.
+        self.last_bytes = self.expected_bytes(flat.numel())
+        self.last_wan_bytes = self.last_bytes["leaders_allgather"]
+        self.last_lan_bytes = self.last_bytes["site_allreduce"] + self.last_bytes["site_broadcast"]
+        self.last_bytes_sent = self.last_lan_bytes + self.last_wan_bytes
+        parts = flat.split([t.numel() for t in tensors.values()])
+        return {k: p.view(t.shape).to(t.dtype) for (k, t), p in zip(tensors.items(), parts)}
+
+    def _across_sites(self, site_sum: Tensor, kind: str, what: str) -> Tensor:
+        """Step 2 on a leader: every site's sum, checked, added up in site order."""
+        if self.leaders_group is None:
+            return site_sum
+        parts = [torch.empty_like(site_sum) for _ in self.sites]
+        self.leaders_group.allgather(parts, site_sum, kind=kind)
+        means = [p / len(s) for p, s in zip(parts, self.sites)]
+        guard = self.guards.setdefault(what, UpdateGuard(f"{what} (a site's mean)"))
+        guard.check(means, self.sources, own=self.site_index, shape=tuple(site_sum.shape))
+        total = torch.zeros_like(site_sum)
+        for part in parts:
+            total += part
+        return total

@@ -11,7 +11,7 @@ import torch
 from medseg.distributed.comm import audit
 from medseg.distributed.comm.channel import Channel, HorovodTransport
 from medseg.distributed.comm.checks import check_tensor
-from medseg.distributed.comm.collectives import CompressedAllreduce
+from medseg.distributed.comm.collectives import CompressedAllreduce, HierarchicalAllreduce
 from medseg.distributed.comm.site_allreduce import HierarchicalCompressedAllreduce
 from medseg.distributed.sync.common import SyncedOptimizer, assign, flat, ring_allreduce_bytes
 
@@ -38,6 +38,11 @@ class BulkSynchronous(SyncedOptimizer):
     3. ``fixed``, ranks on two or more hosts (sites):
        :class:`~medseg.distributed.comm.site_allreduce.HierarchicalCompressedAllreduce` on medseg's
        channel: exact in each site, codes only between one rank per site and shard.
+    4. ``bsp-hier`` (``hier``): :class:`~medseg.distributed.comm.collectives.HierarchicalAllreduce` on
+       medseg's channel, float32 throughout: the sum in each site, the sites' sums between their
+       leaders (each site's part checked), the average broadcast in each site. The same average as
+       path 1, g = (1/N) sum_r g_r, with no Horovod collective per step; the epoch-end buffer
+       average takes the same path.
 
     The optimizer then steps with the averaged gradients. At each epoch end the float buffers
     (BatchNorm statistics) are averaged over all ranks; parameters are not (every rank already
@@ -56,7 +61,8 @@ class BulkSynchronous(SyncedOptimizer):
         compression: ``"none"``, ``"fp16"`` or ``"fixed"``.
         bits: bits per code with ``"fixed"``.
         hosts: every rank's host (or site), indexed by rank.
-        channel: medseg's channel; needed for path 3 (without it, ``fixed`` takes path 2).
+        channel: medseg's channel; needed for paths 3 and 4 (without it, ``fixed`` takes path 2).
+        hier: path 4 (``bsp-hier``); ``compression`` must be ``"none"``.
     """
 
     def __init__(
@@ -67,6 +73,7 @@ class BulkSynchronous(SyncedOptimizer):
         bits: int,
         hosts: list[str],
         channel: Channel | None = None,
+        hier: bool = False,
     ) -> None:
         import horovod.torch as hvd
 
@@ -82,7 +89,19 @@ class BulkSynchronous(SyncedOptimizer):
         sites: dict[str, list[int]] = {}
         for r, h in enumerate(hosts):
             sites.setdefault(h, []).append(r)
-        if compression == "fixed" and self.size > 1 and len(sites) > 1 and channel is not None:
+        if hier and self.size > 1:
+            if channel is None or compression != "none":
+                raise ValueError(
+                    "bsp-hier runs float32 on medseg's channel: give the channel, compression none"
+                )
+            self.hier = HierarchicalAllreduce(
+                list(sites.values()),
+                hvd.rank(),
+                channel.make_group,
+                name="grad.bsp-hier",
+                describe=channel.describe,
+            )
+        elif compression == "fixed" and self.size > 1 and len(sites) > 1 and channel is not None:
             # Same threshold as the flat scheme: 3D convolution weights in codes, biases and norms exact.
             self.hier = HierarchicalCompressedAllreduce(
                 bits, list(sites.values()), hvd.rank(), channel.make_group, min_numel=1024, name="grad.bsp"
@@ -170,7 +189,15 @@ class BulkSynchronous(SyncedOptimizer):
             log_.sent_modelled(range(self.size), "horovod-allreduce", kind, int(nbytes), "float32")
 
     def end_epoch(self) -> None:
-        if self.buffers and self.size > 1:
+        if self.buffers and isinstance(self.hier, HierarchicalAllreduce):
+            # bsp-hier: the buffers take the gradients' path (kind parameters for the audit)
+            vector = self.hier(
+                {"buffers": flat(self.buffers)}, kind="parameters", what="epoch-end buffer average"
+            )
+            assign(self.buffers, vector["buffers"])
+            self.stats.bytes_sent += int(self.hier.last_bytes_sent)
+            self.stats.wan_bytes += int(self.hier.last_wan_bytes)
+        elif self.buffers and self.size > 1:
             mine = flat(self.buffers)
             self._inspect(mine)
             vector = self.hvd.allreduce(mine, op=self.hvd.Average, name="medseg.buffers")

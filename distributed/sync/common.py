@@ -222,15 +222,19 @@ def leaders_verdict(
 
 
 def average_model(
-    channel: Channel, tensors: list[torch.Tensor], stats: StepStats, check: AverageCheck | None = None
+    channel: Channel,
+    tensors: list[torch.Tensor],
+    stats: StepStats,
+    check: AverageCheck | None = None,
+    weights: list[float] | None = None,
 ) -> None:
-    """Every rank replaces ``tensors`` by their average over all ranks, x ← (1/N) Σ_r x_r, one WAN
-    copy per group.
+    """Every rank replaces ``tensors`` by their average over all ranks, x ← (1/N) Σ_r x_r (or, with
+    ``weights`` c_h per group summing to 1, the groups' weighted mean Σ_h c_h m_h), one WAN copy per
+    group.
 
     Members average in their group; the leaders allgather their group means m_h, check every site's
-    part (``check``, :class:`AverageCheck`), and each forms Σ_h |g_h|·m_h / N in group order (the
-    same rank-weighted mean as a global allreduce, bit-identical on every leader); each leader
-    broadcasts the result in its group. An allgather rather than an allreduce, so that each site's
+    part (``check``, :class:`AverageCheck`), and each forms Σ_h |g_h|·m_h / N (or Σ_h c_h m_h) in
+    group order (bit-identical on every leader); each leader broadcasts the result in its group. An allgather rather than an allreduce, so that each site's
     part can be checked and a failing site named: a leader sends (G−1)·4n bytes instead of a ring
     allreduce's 2(G−1)/G·4n (the same for two sites).
     """
@@ -251,9 +255,13 @@ def average_model(
                 if check is not None:
                     check(parts, channel.groups.index(channel.group))
                 total = torch.zeros_like(vector)
-                for g, part in zip(channel.groups, parts):
-                    total += len(g) * part
-                total /= channel.size
+                if weights is None:
+                    for g, part in zip(channel.groups, parts):
+                        total += len(g) * part
+                    total /= channel.size
+                else:
+                    for c, part in zip(weights, parts):
+                        total += c * part
             except UpdateRefused as exc:
                 error = exc
         sources = check.sources if check is not None else [channel.describe(g[0]) for g in channel.groups]

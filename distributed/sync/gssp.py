@@ -133,23 +133,31 @@ class GroupStale(SyncedOptimizer):
        slowest group has submitted it), checks each (:mod:`medseg.distributed.comm.checks`: finite,
        the model's shape, ||Δ_h|| within K times that site's recent round norms or this site's own
        ||Δ_g(r)||; a refused round stops the job naming the site, and nothing is applied), forms S(r)
-       and broadcasts it in its site with its verdict; every member then moves from its own change
-       to the mean change, weighted down by its staleness τ = k − r::
+       and broadcasts it in its site with its verdict; every member then replaces its own change by
+       the mean change, whatever its staleness τ = k − r::
 
-           u = (S(r) − Δ_g(r)) / max(τ, 1);   w ← w + u;   a ← a + u.
+           u = S(r) − Δ_g(r);   w ← w + u;   a ← a + u.
 
     5. At the end of an epoch every pending round is applied and all ranks average w and the float
-       buffers (:func:`~medseg.distributed.sync.common.average_model`), so every rank starts the next
-       epoch (and validates) with one model.
+       buffers with the rounds' weights, x ← Σ_h c_h x_h
+       (:func:`~medseg.distributed.sync.common.average_model`), so every rank starts the next epoch
+       (and validates) with one model.
 
-    At τ ≤ 1 every group thus holds a_0 + S(r) (+ its own later rounds): one model, as in local
-    SGD, which an epoch of G groups moves as far as bsp's epoch moves one. Adding the other groups'
-    full changes instead (u = Σ_h Δ_h − Δ_g, asynchronous SGD's rule) would move the model G times
-    as far in the direction all groups share, which overshoots once rounds are long enough to hide
-    the WAN. τ = 1 is the pipeline itself: a round exchanged while the next one computes (what
-    ``dist.hide_wan`` arranges on purpose) is applied one round late, so it keeps its full weight,
-    and only rounds later than that are damped, by the staleness-dependent rate η/τ of Zhang et al.
-    (IJCAI 2016); damping by 1/(τ + 1) would halve every remote change of a pipelined run.
+    Consensus is exact at any staleness. Once group g has applied every round up to r,
+
+        w_g = a_0 + Σ_{r' ≤ r} S(r') + Σ_{r' > r} Δ_g(r') + (its steps since its last submission),
+
+    so two groups differ only by the rounds they have not both applied yet, and after the epoch's
+    last round every group holds a_0 + Σ_r S(r): the sample-weighted consensus, as in local SGD,
+    which an epoch of G groups moves as far as bsp's epoch moves one. Adding the other groups' full
+    changes instead (u = Σ_h Δ_h − Δ_g, asynchronous SGD's rule) would move the model G times as far
+    in the direction all groups share. Stale contributions are not damped: a damping factor that
+    depends on the receiver's τ (the staleness-dependent rate η/τ of Zhang et al., IJCAI 2016, which
+    an earlier version used for τ ≥ 2) moves each group a different fraction of the way, so the
+    groups drift apart until the epoch's average, and that average then weights them by rank
+    count, not by c_h. The bound s is what limits staleness here: no change is applied more than s
+    rounds late, and τ = 1 is the pipeline itself (a round exchanged while the next computes, what
+    ``dist.hide_wan`` arranges on purpose).
 
     Bounded staleness: no group starts round k + 1 before every group has submitted round k − s, so
     a group never leads the slowest by more than s completed rounds when it starts a round, and
@@ -162,6 +170,9 @@ class GroupStale(SyncedOptimizer):
     approximation of the Hessian. For a model change Δ = −η g that is (:func:`dc_compensate`)::
 
         Δ' = Δ − (λ/η) Δ⊙Δ⊙(w_now − w_then).
+
+    The compensation depends on each group's own w_now − w_then, so with λ > 0 the groups no longer
+    share one consensus between epoch averages (off by default, and never shown to help here).
 
     With ``compression: fixed`` a round travels as fixed-bit codes: every member encodes Δ_g layer
     by layer with the same error-feedback residual (what a round does not carry is added to the
@@ -359,7 +370,7 @@ class GroupStale(SyncedOptimizer):
             mean = self.own_weight * e.own + dc_compensate(
                 others, flat(self.params), e.w_then, self.dc_lambda, lr
             )
-        update = (mean - e.own) / max(tau, 1)
+        update = mean - e.own
         assign(self.params, flat(self.params) + update)
         self.anchor += update
         self.stats.staleness.append(tau)
@@ -373,7 +384,7 @@ class GroupStale(SyncedOptimizer):
                 average_model(self.channel, self.buffers + self.local_buffers, self.stats)
             return
         self._apply_due(final=True)
-        average_model(self.channel, self.params + self.buffers, self.stats, self.average_check)
+        average_model(self.channel, self.params + self.buffers, self.stats, self.average_check, self.weights)
         site_average(self.channel, self.local_buffers)
         self.events.append(("average", self.rounds - 1))
         self.anchor = flat(self.params).clone()

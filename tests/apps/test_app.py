@@ -251,11 +251,15 @@ def _bad_uploads(seg_case: Path, tmp_path: Path, image) -> list[tuple[str, list[
         patient_id="X",
     )
     return [
-        ("not an image", [("scan.nii.gz", b"this is not a NIfTI file\n" * 40)], "cannot be read as NIfTI"),
-        ("truncated", [("scan.nii.gz", good[: len(good) // 2])], "could not be loaded"),
+        (
+            "not an image",
+            [("scan.nii.gz", b"this is not a NIfTI file\n" * 40)],
+            "is a text file, not a NIfTI",
+        ),
+        ("truncated", [("scan.nii.gz", good[: len(good) // 2])], "is cut short"),
         ("2D", [("slice.nii.gz", _nifti(np.zeros((32, 32, 1), np.float32)))], "2D"),
         ("2D array", [("plain.nii.gz", _nifti(np.zeros((32, 32), np.float32)))], "3D volume"),
-        ("text file", [("notes.txt", b"hello")], "not a NIfTI file"),
+        ("text file", [("notes.txt", b"hello")], "is a text file"),
         ("empty zip", [("empty.zip", dicom_zip({}))], "holds no DICOM files"),
         ("broken zip", [("cut.zip", dicom_zip({"a": mixed_a})[:500])], "zip"),
         ("mixed series", [("mixed.zip", dicom_zip({"a": mixed_a, "b": mixed_b}))], "differs between slices"),

@@ -54,8 +54,9 @@ def two_model_server(seg_run, second_run, tmp_path: Path):  # noqa: F811 - the f
 
 
 SIDE_READY = (
-    "const s = window.medsegViewport; return !!(s && s.sideId && s.nv2 && s.nv.volumes.length === 2"
-    " && s.nv2.volumes.length === 2 && getComputedStyle(document.getElementById('pane2')).display !== 'none');"
+    "const s = window.medsegViewport; return !!(s && s.sideId && s.nv2 && s.edit && s.nv.volumes.length === 1"
+    " && s.nv2.medsegEdit && s.nv2.volumes.length === 1"
+    " && getComputedStyle(document.getElementById('pane2')).display !== 'none');"
 )
 
 
@@ -67,7 +68,7 @@ def pictures(view: Viewport, overlays: bool) -> list[np.ndarray]:
     urls = view.js(
         "const s = window.medsegViewport, out = [];"
         "for (const nv of [s.nv, s.nv2]) {"
-        f"  nv.volumes[1].opacity = {1.0 if overlays else 0.0}; nv.updateGLVolume(); nv.drawNow();"
+        f"  nv.drawOpacity = {1.0 if overlays else 0.0}; nv.drawNow();"
         "  out.push(nv.canvas.toDataURL('image/png'));"
         "}"
         "return out;"
@@ -120,7 +121,7 @@ def test_two_models_side_by_side(two_model_server, browser, seg_run, second_run,
 
     # each holds the scan and its model's labels; they differ exactly where the two masks do
     diff = view.js(
-        "const s = window.medsegViewport, a = s.nv.volumes[1].img, b = s.nv2.volumes[1].img;"
+        "const s = window.medsegViewport, a = s.edit.lab.img, b = s.nv2.medsegEdit.lab.img;"
         "let n = 0; for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) n++;"
         "return [a.length, n, s.nv.volumes[0].img.length === s.nv2.volumes[0].img.length];"
     )
@@ -158,3 +159,14 @@ def test_two_models_side_by_side(two_model_server, browser, seg_run, second_run,
     WebDriverWait(browser, 10).until(lambda _: crosshair_mm(view)[1] != before)
     a, b = crosshair_mm(view)
     np.testing.assert_allclose(a, b, atol=1e-3)
+
+    # switching how the second mask is shown leaves nothing behind: as cyan edges, the left viewer
+    # holds them (an overlay) and a legend row; side by side again, neither is left in it
+    legend = "return !!document.querySelector('#labels [data-label=second]')"
+    layers = "const s = window.medsegViewport; return [s.nv.volumes.length, !!s.sideId];"
+    browser.find_element(By.XPATH, '//label[.//p[text()="As cyan edges on the model\'s view"]]').click()
+    WebDriverWait(browser, RESULT_TIMEOUT).until(lambda _: view.js(layers) == [2, False] and view.js(legend))
+    browser.find_element(By.XPATH, "//label[.//p[starts-with(text(), 'Side by side')]]").click()
+    WebDriverWait(browser, RESULT_TIMEOUT).until(lambda _: view.js(layers)[1])
+    time.sleep(0.5)
+    assert view.js(layers) == [1, True] and not view.js(legend)

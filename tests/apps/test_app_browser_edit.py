@@ -28,6 +28,7 @@ from pathlib import Path
 import highdicom as hd
 import nibabel as nib
 import numpy as np
+import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -42,6 +43,18 @@ from tests.browser import RESULT_TIMEOUT, Viewport
 server, browser = app_browser.server, app_browser.browser  # the fixtures: medseg app, chromium
 
 KEEP = Path(__file__).resolve().parents[2] / "test-output" / "test_app_browser_edit"
+
+
+# Counts, from here on, the voxels sent to 3D textures (texSubImage3D) and the full rebuilds of the
+# volumes' textures (NiiVue's updateGLVolume, refreshLayers) in the left viewer.
+TRAFFIC = (
+    "const s = window.medsegViewport, nv = s.nv, gl = nv.gl, t = {voxels: 0, rebuilds: 0}; s.traffic = t;"
+    "const sub = gl.texSubImage3D.bind(gl);"
+    "gl.texSubImage3D = (...a) => { t.voxels += a[5] * a[6] * a[7]; return sub(...a); };"
+    "const proto = Object.getPrototypeOf(nv);"
+    "for (const name of ['updateGLVolume', 'refreshLayers']) { const f = proto[name];"
+    "  proto[name] = function (...a) { t.rebuilds++; return f.apply(this, a); }; }"
+)
 
 
 def stroke(view: Viewport, start: tuple[float, float], end: tuple[float, float], steps: int = 12) -> None:
@@ -208,6 +221,8 @@ def test_edit_and_export_round_trip(server, browser, seg_run, seg_data, tmp_path
         brush_row, erase_row, undo_row = row(a1, a2), row(e1, e2), row(u1, u2)
         assert model[tuple(np.array(erase_row).T)].any(), "the eraser row should cross a label"
 
+        view.js(TRAFFIC)
+        crosshair = view.location()["mm"]
         view.js(
             "const s = document.getElementById('pensize'); s.value = '1'; s.dispatchEvent(new Event('change'));"
             f"const p = document.getElementById('penlabel'); p.value = '{lesion}'; p.dispatchEvent(new Event('change'));"
@@ -215,6 +230,8 @@ def test_edit_and_export_round_trip(server, browser, seg_run, seg_data, tmp_path
         )
         stroke(view, *brush_pts)
         after_brush = wait_seq(view, 1)
+        # painting leaves the crosshair where it was (at the undo row's end, not the brush row's)
+        assert view.location()["mm"] == pytest.approx(crosshair, abs=1e-6)
         view.js("document.getElementById('eraser').click();")
         stroke(view, *erase_pts)
         after_erase = wait_seq(view, 2)
@@ -223,6 +240,10 @@ def test_edit_and_export_round_trip(server, browser, seg_run, seg_data, tmp_path
         after_third = wait_seq(view, 3)
         view.js("document.getElementById('undo').click();")
         after_undo = wait_seq(view, 4)
+        # the GPU got the strokes' voxels, not the label map
+        traffic = view.js("return window.medsegViewport.traffic")
+        # (all the steps together sent less than half the label map once; NiiVue sends all of it per move)
+        assert traffic["rebuilds"] == 0 and 0 < traffic["voxels"] < 0.5 * model.size, traffic
         assert after_brush["changed"] > 0 and after_erase["changed"] > after_brush["changed"]
         assert (
             after_third["changed"] > after_erase["changed"]
@@ -231,7 +252,7 @@ def test_edit_and_export_round_trip(server, browser, seg_run, seg_data, tmp_path
 
         # our stored-order copy of the drawing is NiiVue's own reorientation of it (its NIfTI writer)
         mismatch = view.js(
-            "const nv = window.medsegViewport.nv, lab = nv.volumes[1];"
+            "const s = window.medsegViewport, nv = s.nv, lab = s.edit.lab;"
             "const raw = nv.volumes[0].toUint8Array(nv.drawBitmap), off = raw.length - lab.img.length;"
             "let n = 0; for (let o = 0; o < lab.img.length; o++) if (raw[off + o] !== lab.img[o]) n++;"
             "return [n, Array.from(lab.permRAS)];"
@@ -264,6 +285,10 @@ def test_edit_and_export_round_trip(server, browser, seg_run, seg_data, tmp_path
         view.wait_volumes(3)
         time.sleep(0.5)
         page = body_text(browser)
+        # Compare scores the corrected mask on request: against itself, Dice 1
+        browser.find_element(By.XPATH, "//label[.//p[text()='The corrected mask']]").click()
+        wait_processed(browser, "tiny-seg (corrected) voxels")
+        scored = body_text(browser)
     finally:
         browser.save_screenshot(str(tmp_path / "review.png"))
         shutil.copy(tmp_path / "review.png", KEEP / "viewer-review.png")
@@ -301,3 +326,4 @@ def test_edit_and_export_round_trip(server, browser, seg_run, seg_data, tmp_path
             dice = 2 * (a & b).sum() / (a.sum() + b.sum())
             name = bundle.labels[k]
             assert re.search(rf"{name}\s+{int(a.sum())}\s+{int(b.sum())}\s+{dice:.3f}", page), page
+            assert re.search(rf"{name}\s+{int(b.sum())}\s+{int(b.sum())}\s+1\.000", scored), scored

@@ -130,12 +130,14 @@ def peak_growth():
 
 
 def assert_refused(at, words: list[str]) -> str:
+    """The upload was refused with ``words`` in its message, and the case read before it stays on
+    show (its image drawn, nothing replaced)."""
     assert not at.exception, at.exception
     (message,) = errors(at)
     for w in words:
         assert w in message, message
     assert "Traceback" not in message and "/tmp/medseg-upload" not in message, message
-    assert not at.image and not [b for b in at.button if b.key == "run"]
+    assert at.image and "Nothing was replaced: the case on show is still scan." in message, message
     return message
 
 

@@ -10,8 +10,13 @@ Run: horovodrun -np 2 -H localhost:2 --gloo python tests/distributed/mp/gssp_rep
    moving to the rounds' sample-weighted mean change, weights 2/3 and 1/3), and the
    epoch-end average. The replay must land on the engines' parameters and BatchNorm buffers
    within 1e-6, some round must have been stale (τ > 0), and no τ may exceed s.
-2. Local SGD (period 2) against its replay: independent steps, averages every 2 steps.
-3. After each epoch-end average, both ranks hold identical parameters and buffers.
+2. Exact consensus, checked against a rule-free reference: staleness bound s = 2, rounds of 3 and
+   1 steps, the slow rank slowed far enough that rounds are *forced* (τ = 2). Each engine's own
+   submitted changes Δ_g(r) are recorded as they are sent; after the epoch-end average every
+   rank's parameters must equal a_0 + Σ_r Σ_g c_g Δ_g(r), computed in one process from those
+   changes alone (no schedule, no τ), within 1e-6.
+3. Local SGD (period 2) against its replay: independent steps, averages every 2 steps.
+4. After each epoch-end average, both ranks hold identical parameters and buffers.
 Prints ``PASS <name>`` or ``FAIL <name>: why`` per check; exits 1 on any failure.
 """
 
@@ -102,12 +107,12 @@ class GroupReplay:
                 self.own[k] = own
                 self.anchor = w.clone()
             elif ev[0] == "apply":
-                _, _, r, tau = ev
+                _, _, r, _tau = ev  # applied in full whatever its staleness
                 if any(r not in other.own for other in everyone):
                     return moved
                 # every group moves to the sample-weighted mean change of the round
                 mean = sum(c * other.own[r] for c, other in zip(WEIGHTS, everyone))
-                update = (mean - self.own[r]) / max(tau, 1)
+                update = mean - self.own[r]
                 with torch.no_grad():
                     w = flat(self.params) + update
                     offset = 0
@@ -122,9 +127,11 @@ class GroupReplay:
         return moved
 
 
-def average_all(models: list[torch.nn.Module]) -> None:
+def average_all(models: list[torch.nn.Module], weights: list[float] | None = None) -> None:
+    """The epoch-end average: the groups' weighted mean (``weights``, one rank per group), else equal."""
     tensors = [list(m.parameters()) + float_buffers(m) for m in models]
-    mean = sum(flat(t) for t in tensors) / len(models)
+    weights = weights or [1 / len(models)] * len(models)
+    mean = sum(c * flat(t) for c, t in zip(weights, tensors))
     for ts in tensors:
         offset = 0
         with torch.no_grad():
@@ -140,7 +147,7 @@ def replay_gssp(logs: list[list[tuple]], compression: str) -> torch.Tensor:
             break
         if not any(g.advance(groups) for g in groups):
             raise AssertionError("replay is stuck: the logs are not a causal schedule")
-    average_all([g.model for g in groups])
+    average_all([g.model for g in groups], WEIGHTS)
     return state_of(groups[0].model)
 
 
@@ -156,6 +163,46 @@ def run_gssp(channel: Channel, compression: str) -> tuple[torch.Tensor, list[tup
         engine.step()
     engine.end_epoch()
     return state_of(model), engine.events
+
+
+CONSENSUS_PERIODS, CONSENSUS_BOUND, CONSENSUS_ROUNDS = [3, 1], 2, 8
+
+
+def run_gssp_consensus(channel: Channel) -> tuple[torch.Tensor, list[torch.Tensor], list[tuple]]:
+    """gssp with forced rounds; returns the parameters after the epoch average, every change this
+    group submitted (as the other group receives it), and the engine's events."""
+    rank = hvd.rank()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    period = CONSENSUS_PERIODS[rank]
+    engine = GroupStale(
+        opt, model, channel, period, CONSENSUS_BOUND, 0.0, "none", 4, weights=CONSENSUS_PERIODS
+    )
+    sent: list[torch.Tensor] = []
+    submit = engine._submit
+
+    def recording_submit() -> None:
+        submit()
+        sent.append(engine.pending[-1].own.clone())
+
+    engine._submit = recording_submit
+    for batch in batches(rank, CONSENSUS_ROUNDS * period):
+        train_step(model, engine, batch)
+        if rank == 1:
+            time.sleep(0.25)  # a round of the slow site takes longer than two of the fast one's
+        engine.step()
+    engine.end_epoch()
+    return flat(list(model.parameters())), sent, engine.events
+
+
+def consensus_of(sent: list[list[torch.Tensor]]) -> torch.Tensor:
+    """a_0 + Σ_r Σ_g c_g Δ_g(r): the model every group must hold after the epoch, from the changes alone."""
+    total = sum(CONSENSUS_PERIODS)
+    w = flat(list(make_model().parameters())).double()
+    for g, changes in enumerate(sent):
+        for delta in changes:
+            w += CONSENSUS_PERIODS[g] / total * delta.double()
+    return w.float()
 
 
 def run_local_sgd(channel: Channel) -> torch.Tensor:
@@ -222,6 +269,25 @@ def main() -> int:
                 f"max |difference| {diff:.3e}",
             )
             print(f"gssp-{compression}: replay max |difference| {diff:.3e}, staleness applied {taus}")
+
+    params, sent, events = run_gssp_consensus(channel)
+    states, all_sent = channel.gather_tree(params, "test"), channel.gather_tree(sent, "test")
+    logs = channel.gather_tree(events, "test")
+    if hvd.rank() == 0:
+        taus = [ev[3] for log in logs for ev in log if ev[0] == "apply"]
+        check(
+            "gssp consensus: some round was forced (τ = 2)",
+            max(taus, default=0) >= 2,
+            f"staleness seen {taus}",
+        )
+        expected = consensus_of(all_sent)
+        diff = max((s - expected).abs().max().item() for s in states)
+        check(
+            "gssp consensus: every rank holds a_0 + Σ_r Σ_g c_g Δ_g(r)",
+            diff <= 1e-6,
+            f"max |difference| {diff:.3e}",
+        )
+        print(f"gssp consensus: max |difference| {diff:.3e}, staleness applied {taus}")
 
     mine = run_local_sgd(channel)
     states = channel.gather_tree(mine, "test")
