@@ -103,15 +103,23 @@ def _tcp_batch(addr: str, ports: Sequence[int], timeout: float, out: dict[str, l
 
 
 def scan_tcp(
-    netns: str, addr: str, ports: Iterable[int], batch: int = 512, timeout: float = 2.0
+    netns: str, addr: str, ports: Iterable[int], batch: int = 512, timeout: float = 2.0, retries: int = 2
 ) -> dict[str, list[int]]:
-    """A TCP connect scan of ``addr`` from namespace ``netns``: ports ``open``, ``closed``, ``filtered``."""
+    """A TCP connect scan of ``addr`` from namespace ``netns``: ports ``open``, ``closed``, ``filtered``.
+
+    A shaped link that is also carrying a job drops some of a 512-SYN burst (or the RSTs that answer
+    it); as nmap does, a port left unanswered is probed again, up to ``retries`` more times in
+    batches of 32, before it is called filtered."""
     ports = sorted(set(ports))
     out: dict[str, list[int]] = {"open": [], "closed": [], "filtered": []}
 
     def work() -> None:
         for chunk in _batches(ports, batch):
             _tcp_batch(addr, chunk, timeout, out)
+        for _ in range(retries):
+            again, out["filtered"] = out["filtered"], []
+            for chunk in _batches(sorted(again), 32):
+                _tcp_batch(addr, chunk, timeout, out)
 
     call_in(netns, work)
     return {k: sorted(v) for k, v in out.items()}

@@ -42,6 +42,7 @@ def _client_config(sites: Sequence[Site]) -> str:
         + "    LogLevel ERROR\n"
         + "    ConnectTimeout 10\n"
         + "    ServerAliveInterval 15\n"
+        + "    ServerAliveCountMax 8\n"  # a loaded 2-core host can stall a tunnel for 45 s
     )
 
 

@@ -122,7 +122,7 @@ def test_an_outsider_on_the_wan_finds_only_the_wireguard_port(tb: sites.Testbed)
             udp = outsider.scan_udp(atk, site.ip, range(1, 65536))
             assert udp["silent"] == [WG_PORT] and udp["answered"] == [], (site.name, udp["silent"][:20])
             # the tunnel addresses are not routed on the WAN: nothing there answers an outsider
-            inside = outsider.scan_tcp(atk, site.tunnel_ip, JOB_PORTS, timeout=1.0)
+            inside = outsider.scan_tcp(atk, site.tunnel_ip, JOB_PORTS, timeout=1.0, retries=0)
             assert inside["open"] == [] and inside["closed"] == [], inside
         # What a job's sockets must do: one bound to the tunnel address is invisible from the WAN,
         # one bound to 0.0.0.0 (as torch's TCPStore and an unbound heartbeat server are) is found.
@@ -290,8 +290,9 @@ def test_a_horovod_job_runs_over_the_tunnel_and_the_wan_carries_only_wireguard(t
                     job.kill()
                     job.wait()
         (tmp_path / "job.log").write_text(out + err)
-        assert job.returncode == 0, f"see {tmp_path / 'job.log'}: " + err[-3000:]
         logs = {s.name: (s.dir / "sshd.log").read_text() for s in bed.sites}
+        sshd = "".join(f"\n--- sshd at site {n}:\n{t[-1500:]}" for n, t in logs.items())
+        assert job.returncode == 0, f"see {tmp_path / 'job.log'}: " + err[-3000:] + sshd
         counters = bed.wan_counters()
     assert still_training, "the job ended before the scan did: the scan saw no job sockets (more epochs)"
     assert len(listening["a"]) >= 3, listening  # sshd, rank 0's store, Gloo: the scan had targets
