@@ -170,7 +170,11 @@ def render_slice(
 
 def label_centre(labels: np.ndarray) -> tuple[int, int, int] | None:
     """The voxel at the centre of the foreground's bounding box (None when nothing is labelled)."""
-    nz = np.nonzero(labels)
-    if len(nz[0]) == 0:
-        return None
-    return tuple(int((a.min() + a.max()) // 2) for a in nz)  # type: ignore[return-value]
+    centre = []
+    for axis in range(3):  # the box from each axis's profile: no index arrays of the whole foreground
+        others = tuple(a for a in range(3) if a != axis)
+        hit = np.flatnonzero(np.any(labels, axis=others))
+        if hit.size == 0:
+            return None
+        centre.append(int((hit[0] + hit[-1]) // 2))
+    return tuple(centre)  # type: ignore[return-value]

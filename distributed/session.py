@@ -251,22 +251,20 @@ class HorovodSession(LocalSession):
         """Seconds one cross-group round exchange takes: rank 0's slower of 2 after a warm-up.
 
         The leaders run exactly the collective a round runs, on the leaders' group, with the
-        round's payload: an allgather of the float32 parameter delta, or (``compression: fixed``)
-        of its encoded bytes. Every rank gets rank 0's figure. The bytes sent are
+        round's payload: an allgather of the float32 parameter delta, or (``compression: fixed`` or
+        ``topk``) of its encoded bytes. Every rank gets rank 0's figure. The bytes sent are
         counted in ``setup_wan_bytes`` (with the initial model broadcast; reported with the first
         epoch).
         """
-        from medseg.distributed.comm.compression import encoded_nbytes
+        from medseg.distributed.comm.round_codecs import round_codec
 
         sizes = [p.numel() for p in model.parameters() if p.requires_grad]
         times: list[float] = []
         pg = self.channel.leaders_pg
         if pg is not None:
-            fixed = self.dist.compression == "fixed"
-            if fixed:
-                mine = torch.zeros(sum(encoded_nbytes(n, self.dist.bits) for n in sizes), dtype=torch.uint8)
-            else:
-                mine = torch.zeros(sum(sizes))
+            d = self.dist
+            codec = round_codec(d.compression, sizes, d.bits, d.topk_fraction, d.topk_bits)
+            mine = torch.zeros(sum(sizes)) if codec is None else torch.zeros(codec.nbytes, dtype=torch.uint8)
             n_groups = len(self.groups)
             for i in range(3):
                 tic = time.perf_counter()
@@ -364,7 +362,7 @@ class HorovodSession(LocalSession):
         d = self.dist
         if d.sync in ("gssp", "ssp") and d.compression == "fp16":
             raise ConfigError(
-                "dist.compression: fp16 is Horovod's (bsp only); gssp/ssp rounds take none or fixed (dist.bits)"
+                "dist.compression: fp16 is Horovod's (bsp only); gssp/ssp rounds take none, fixed (dist.bits) or topk"
             )
         # One model everywhere: rank 0's parameters and buffers (its checkpoint's on a resume).
         tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
@@ -416,6 +414,8 @@ class HorovodSession(LocalSession):
                 on_event=self.beats.send,
                 local_norm=d.local_norm,
                 weights=[len(g) * p for g, p in zip(self.groups, self.periods)],
+                topk_fraction=d.topk_fraction,
+                topk_bits=d.topk_bits,
             )
         self.optimizer.who = self.channel.describe(self.rank)
         return self.optimizer

@@ -141,8 +141,12 @@ class DistConfig:
     # makes a round that many steps instead (a fraction of an epoch; it also ends at each epoch's end)
     local_epochs: int = 1
     local_steps: int = 0
-    compression: Literal["none", "fp16", "fixed"] = "none"
+    compression: Literal["none", "fp16", "fixed", "topk"] = "none"
     bits: Literal[2, 4, 8] = 4  # compression: fixed
+    # compression: topk (gssp/ssp rounds): share of each layer's entries sent, with error feedback;
+    # topk_bits codes the kept values (0: float32) (medseg.distributed.comm.round_codecs)
+    topk_fraction: float = 0.01
+    topk_bits: Literal[0, 2, 4, 8] = 0
     timeout_s: float = 120.0  # a rank silent this long is declared hung and the job is stopped
     profile_steps: int = 8  # timed blocks (>= 0.4 s each) per rank, median: speeds for groups and rounds
     # FedBN: normalisation layers' parameters and running statistics stay in each site (gssp, ssp,
@@ -328,6 +332,12 @@ def _check(cfg: Config) -> None:
             "min_epoch_rounds >= 1 are required"
         )
     d.check(cfg.train.epochs)
+    if d.compression == "topk" and d.sync not in ("gssp", "ssp"):
+        raise ConfigError(
+            f"dist.compression: topk sparsifies gssp/ssp's cross-site rounds, not {d.sync}'s; use none or fixed"
+        )
+    if not 0 < d.topk_fraction <= 1:
+        raise ConfigError(f"dist.topk_fraction must be in (0, 1], got {d.topk_fraction}")
     if d.compression == "fp16" and d.sync != "bsp":
         raise ConfigError(
             f"dist.compression: fp16 is Horovod's own compressor and works with sync: bsp only, not {d.sync}"

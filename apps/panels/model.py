@@ -23,6 +23,7 @@ from medseg.apps.state import (
     TrustNotes,
     set_position,
 )
+from medseg.apps.timings import mark
 from medseg.bundle.load import Bundle
 
 MODEL_KEY = "model"  # the sidebar picker's widget key (``panels.sidebar``)
@@ -103,8 +104,10 @@ def trust_section(info: ModelInfo, loaded: LoadedCase) -> list[str]:
 def _predict(info: ModelInfo, loaded: LoadedCase, key: tuple, bar) -> tuple[Bundle, CaseResult]:
     """Run the model on the loaded case: its bundle, and the result with the label map in the forms
     the page draws and offers (None for a classifier)."""
+    mark("model start")
     bundle = cached_bundle(str(info.bundle), info.mtime)
     result = run_model(bundle, loaded.image, progress=lambda f, t: bar.progress(f, text=t))
+    mark("model done")
     label = result.prediction.label
     labels_nifti = (
         viewport.nifti_bytes(label[0].numpy(), label.affine.numpy(), True) if label is not None else None
@@ -118,6 +121,7 @@ def _predict(info: ModelInfo, loaded: LoadedCase, key: tuple, bar) -> tuple[Bund
         labels_nifti=labels_nifti,
         labels_id=viewport.digest(labels_nifti) if labels_nifti is not None else "none",
     )
+    mark("result forms made")
     return bundle, stored
 
 

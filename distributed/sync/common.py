@@ -34,8 +34,8 @@ from typing import Any
 import torch
 
 from medseg.distributed.comm.channel import Channel
-from medseg.distributed.comm.checks import UpdateGuard, UpdateRefused, check_gradients, refuse_update
-from medseg.distributed.comm.collectives import CompressedAllreduce
+from medseg.distributed.comm.checks import UpdateGuard, UpdateRefused, check_gradients
+from medseg.distributed.comm.collectives import CompressedAllreduce, site_verdict
 
 ring_allreduce_bytes = CompressedAllreduce.ring_allreduce_bytes
 
@@ -201,24 +201,16 @@ def leaders_verdict(
     leader refused group h's part), so every member of the site stops with the leader, naming the
     same site, and none applies anything. Returns the payload; raises on a refusal.
     """
-    verdict = 0.0 if error is None else float(sources.index(error.source) + 1)
-    if len(channel.group) > 1:
-        box = torch.empty(numel + 1)
-        if channel.is_leader:
-            box[:numel] = payload if payload is not None else 0.0
-            box[numel] = verdict
-        channel.group_broadcast(box)
-        payload, verdict = box[:numel], float(box[numel])
-    if error is not None:
-        raise error
-    if verdict:
-        raise refuse_update(
-            sources[int(verdict) - 1],
-            what,
-            f"refused by this site's leader, {channel.describe(channel.leader)}, whose log has the numbers",
-        )
-    assert payload is not None
-    return payload
+    return site_verdict(
+        channel.group_pg if len(channel.group) > 1 else None,
+        channel.leader,
+        payload if channel.is_leader else None,
+        error,
+        sources,
+        numel,
+        what,
+        channel.describe(channel.leader),
+    )
 
 
 def average_model(

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from medseg.distributed.comm.channel import Channel, TorchTransport
-from medseg.distributed.comm.checks import UpdateGuard, UpdateRefused
+from medseg.distributed.comm.checks import UpdateGuard, UpdateRefused, refuse_update
 from medseg.distributed.comm.collectives import CompressedAllreduce
-from medseg.distributed.comm.compression import ErrorFeedback, decode, encoded_nbytes
+from medseg.distributed.comm.round_codecs import round_codec
 from medseg.distributed.sync.common import (
     ROUND_FLOOR,
     AverageCheck,
@@ -26,6 +26,7 @@ from medseg.distributed.sync.common import (
     ring_allreduce_bytes,
     site_average,
 )
+from medseg.errors import ConfigError
 
 
 def dc_compensate(
@@ -38,16 +39,6 @@ def dc_compensate(
     if lam == 0.0 or lr <= 0.0:
         return delta
     return delta - (lam / lr) * delta * delta * (w_now - w_then)
-
-
-def decode_layers(buf: torch.Tensor, sizes: list[int], bits: int) -> torch.Tensor:
-    """Decode a concatenation of per-layer encodings into one flat float32 vector."""
-    out, offset = [], 0
-    for n in sizes:
-        size = encoded_nbytes(n, bits)
-        out.append(decode(buf[offset : offset + size], bits, n))
-        offset += size
-    return torch.cat(out)
 
 
 class GroupAverage:
@@ -174,17 +165,19 @@ class GroupStale(SyncedOptimizer):
     The compensation depends on each group's own w_now − w_then, so with λ > 0 the groups no longer
     share one consensus between epoch averages (off by default, and never shown to help here).
 
-    With ``compression: fixed`` a round travels as fixed-bit codes: every member encodes Δ_g layer
+    With ``compression: topk`` a round carries each layer's k largest entries of Δ_g plus a residual
+    (:class:`~medseg.distributed.comm.round_codecs.TopkRounds`), decoded and applied exactly as coded
+    rounds are below. With ``compression: fixed`` a round travels as fixed-bit codes: every member encodes Δ_g layer
     by layer with the same error-feedback residual (what a round does not carry is added to the
     next; the members' inputs are identical, so are their codes and residuals), the leaders
     ``all_gather`` the G encodings asynchronously, and Δ_g is then the decoded value, the same on
-    every rank; each leader decodes every group's change (:func:`decode_layers`; a non-finite chunk
+    every rank; each leader decodes every group's change (:func:`~medseg.distributed.comm.round_codecs.decode_layers`; a non-finite chunk
     scale decodes to non-finite values and is refused), checks them as above and forms
     S(r) = Σ_h c_h Δ_h(r) in group order.
 
     Bytes: a leader sends (G − 1)·4n bytes per float32 round (ring allgather; a ring allreduce of
     the sum would send 2(G − 1)/G·4n, the same for two groups, but would not show which site sent
-    what), (G − 1)·block with codes.
+    what), (G − 1)·(the codec's fixed message length) with codes or top-k.
 
     With one group and s = 0, gssp reduces to synchronous data parallelism: nothing is received
     from other groups (S − Δ_g = 0) and the parameters equal bsp's
@@ -200,13 +193,16 @@ class GroupStale(SyncedOptimizer):
         period: period_g, steps per round of this rank's group.
         staleness: s, the staleness bound in rounds.
         dc_lambda: λ of DC-ASGD; 0 applies the rounds uncompensated.
-        compression: ``"none"`` (float32 rounds) or ``"fixed"`` (coded rounds).
+        compression: ``"none"`` (float32 rounds), ``"fixed"`` (coded rounds) or ``"topk"`` (each
+            layer's largest entries, :mod:`~medseg.distributed.comm.round_codecs`).
         bits: bits per code with ``"fixed"``.
         on_event: called on the leader with a record at each submission and each round start.
         exchange: run the cross-group exchange (default: when there are several groups).
         local_norm: keep the normalisation layers in the site (FedBN, see
             :mod:`medseg.distributed.sync.common`).
         weights: the groups' unnormalised c_h, one per group (default: equal).
+        topk_fraction: f, the share of each layer's entries a ``"topk"`` round sends.
+        topk_bits: bits per kept value with ``"topk"`` (0: float32 values).
     """
 
     def __init__(
@@ -223,6 +219,8 @@ class GroupStale(SyncedOptimizer):
         exchange: bool | None = None,
         local_norm: bool = False,
         weights: list[float] | None = None,
+        topk_fraction: float = 0.01,
+        topk_bits: int = 0,
     ) -> None:
         super().__init__(optimizer, model, local_norm)
         self.channel = channel
@@ -249,10 +247,8 @@ class GroupStale(SyncedOptimizer):
         self.rounds = 0  # rounds submitted by this group
         self.anchor = flat(self.params).clone()
         self.pending: collections.deque[_Round] = collections.deque()
-        self.coded = ErrorFeedback(bits) if compression == "fixed" else None
-        self.bits = bits
         self.layer_sizes = [p.numel() for p in self.params]
-        self.block = sum(encoded_nbytes(n, bits) for n in self.layer_sizes)
+        self.coded = round_codec(compression, self.layer_sizes, bits, topk_fraction, topk_bits)
         # checks on what the other sites send (medseg.distributed.comm.checks)
         self.group_index = channel.groups.index(channel.group)
         self.sources = [channel.describe(g[0]) for g in channel.groups]
@@ -291,12 +287,11 @@ class GroupStale(SyncedOptimizer):
                 work = self.channel.leaders_pg.allgather(buf, own, async_op=True, kind="model-change")
                 self._count_leaders((self.n_groups - 1) * self.numel * 4)  # ring allgather
         else:
-            codes, own = self.coded.compress_chunks("delta", own, self.layer_sizes)
+            mine, own = self.coded.encode(own)
             if self.leader:
-                mine = torch.cat(codes)
                 buf = [torch.empty_like(mine) for _ in range(self.n_groups)]
                 work = self.channel.leaders_pg.allgather(buf, mine, async_op=True, kind="model-change")
-                self._count_leaders((self.n_groups - 1) * self.block)  # ring allgather
+                self._count_leaders((self.n_groups - 1) * self.coded.nbytes)  # ring allgather
         self.pending.append(_Round(k, work, buf, own, w.clone() if self.dc_lambda else None))
         self.events.append(("submit", k, self.stats.steps))
         self.anchor = w.clone()
@@ -346,10 +341,17 @@ class GroupStale(SyncedOptimizer):
         return leaders_verdict(self.channel, total, error, self.sources, self.numel, "cross-site round")
 
     def _changes(self, e: _Round) -> list[torch.Tensor]:
-        """Every group's Δ_h(r) as received (decoded from its codes with ``compression: fixed``)."""
+        """Every group's Δ_h(r) as received (decoded with ``compression: fixed`` or ``topk``); a message
+        that does not decode is refused, naming its site."""
         if self.coded is None:
             return list(e.buf)
-        return [decode_layers(codes, self.layer_sizes, self.bits) for codes in e.buf]
+        changes = []
+        for h, message in enumerate(e.buf):
+            try:
+                changes.append(self.coded.decode(message))
+            except (ValueError, ConfigError) as exc:
+                raise refuse_update(self.sources[h], "cross-site round", str(exc)) from None
+        return changes
 
     def _checked_mean(self, e: _Round) -> torch.Tensor:
         """S(r) from every group's checked Δ_h(r), in group order; UpdateRefused names a failing site."""

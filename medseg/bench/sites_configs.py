@@ -26,6 +26,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "local-sgd": {"sync": "local-sgd", "period": 4},
     "gssp": {"sync": "gssp", "staleness": 2},
     "gssp-fixed4": {"sync": "gssp", "staleness": 2, "compression": "fixed", "bits": 4},
+    "gssp-topk1": {"sync": "gssp", "staleness": 2, "compression": "topk", "topk_fraction": 0.01},
+    # the peers a reviewer names (medseg.distributed.sync.peers): hierarchical bsp, FedAvg, DiLoCo
+    "bsp-hier": {"sync": "bsp-hier"},
+    "fedavg": {"sync": "fedavg", "local_epochs": 1},
+    "diloco": {"sync": "diloco", "inner_steps": 500, "outer_lr": 0.7, "outer_momentum": 0.9},
 }
 QUICK_SCENARIOS = ("wan20", "lan")
 QUICK_CONFIGS = ("bsp-none", "bsp-fixed4", "gssp", "gssp-fixed4")

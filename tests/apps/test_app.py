@@ -492,3 +492,16 @@ def test_app_command_stops_its_streamlit_server_on_ctrl_c(tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.unit
+def test_label_centre_is_the_middle_of_the_foregrounds_bounding_box() -> None:
+    """Against the box read off ``np.nonzero``'s index arrays (the plain definition)."""
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        labels = np.zeros((13, 17, 9), np.uint8)
+        for _ in range(rng.integers(0, 4)):
+            labels[tuple(rng.integers(0, n) for n in labels.shape)] = rng.integers(1, 4)
+        nz = np.nonzero(labels)
+        want = tuple(int((a.min() + a.max()) // 2) for a in nz) if len(nz[0]) else None
+        assert render.label_centre(labels) == want

@@ -173,7 +173,7 @@ def test_gssp_and_local_sgd_equal_their_single_process_replays() -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "FAIL " not in out, out[-4000:]
-    assert out.count("PASS ") == 12, out[-4000:]
+    assert out.count("PASS ") == 16, out[-4000:]
 
 
 def _model_of(path: Path) -> dict:

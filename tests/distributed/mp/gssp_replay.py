@@ -3,8 +3,8 @@
 Run: horovodrun -np 2 -H localhost:2 --gloo python tests/distributed/mp/gssp_replay.py
 
 1. GSSP with two groups ([[0], [1]], so also ``ssp``), staleness bound s = 1, rounds of 1 and 2
-   steps, rank 1 slowed by sleeps so that rounds really arrive late; once with plain float32
-   rounds and once with 4-bit codes. Every engine logs the rounds it submitted and applied (with
+   steps, rank 1 slowed by sleeps so that rounds really arrive late; with plain float32 rounds,
+   4-bit codes and top-k rounds (a tenth of each layer, error feedback). Every engine logs the rounds it submitted and applied (with
    the staleness it used). Rank 0 then replays both groups in one process: the same batches, the
    same optimizer, the rounds applied in the logged order with the logged staleness (each group
    moving to the rounds' sample-weighted mean change, weights 2/3 and 1/3), and the
@@ -31,15 +31,16 @@ import torch
 
 from medseg.distributed.comm import wire
 from medseg.distributed.comm.channel import Channel
-from medseg.distributed.comm.compression import ErrorFeedback
+from medseg.distributed.comm.round_codecs import round_codec
 from medseg.distributed.sync.common import flat, float_buffers
-from medseg.distributed.sync.gssp import GroupStale, decode_layers
+from medseg.distributed.sync.gssp import GroupStale
 from medseg.distributed.sync.local_sgd import LocalSGD
 
 ROUNDS = 6
 PERIODS = [2, 1]  # the fast group 0 runs 2 steps per round, the slow group 1 one step
 STEPS = [ROUNDS * p for p in PERIODS]
 BOUND = 1
+TOPK = 0.1  # topk rounds: a tenth of each layer's entries
 WEIGHTS = [p / sum(PERIODS) for p in PERIODS]  # one rank per group: a group's share of a round's samples
 LR = 0.05
 
@@ -83,8 +84,8 @@ class GroupReplay:
         self.data = batches(g, n_steps)
         self.anchor = flat(self.params).clone()
         self.own: dict[int, torch.Tensor] = {}
-        self.coded = ErrorFeedback(4) if compression == "fixed" else None
         self.sizes = [p.numel() for p in self.params]
+        self.coded = round_codec(compression, self.sizes, 4, TOPK)
 
     def next_event(self) -> tuple | None:
         return self.events[self.i] if self.i < len(self.events) else None
@@ -101,9 +102,8 @@ class GroupReplay:
                     self.steps += 1
                 w = flat(self.params)
                 own = w - self.anchor
-                if self.coded is not None:
-                    codes, own = self.coded.compress_chunks("delta", own, self.sizes)
-                    own = decode_layers(torch.cat(codes), self.sizes, 4)
+                if self.coded is not None:  # what the round carried (its residual waits for the next)
+                    _, own = self.coded.encode(own)
                 self.own[k] = own
                 self.anchor = w.clone()
             elif ev[0] == "apply":
@@ -155,7 +155,9 @@ def run_gssp(channel: Channel, compression: str) -> tuple[torch.Tensor, list[tup
     rank = hvd.rank()
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    engine = GroupStale(opt, model, channel, PERIODS[rank], BOUND, 0.0, compression, 4, weights=PERIODS)
+    engine = GroupStale(
+        opt, model, channel, PERIODS[rank], BOUND, 0.0, compression, 4, weights=PERIODS, topk_fraction=TOPK
+    )
     for i, batch in enumerate(batches(rank, STEPS[rank])):
         train_step(model, engine, batch)
         if rank == 1:
@@ -246,7 +248,7 @@ def main() -> int:
             print(f"PASS {name}" if ok else f"FAIL {name}: {why}", flush=True)
         failures += 0 if ok else 1
 
-    for compression in ("none", "fixed"):
+    for compression in ("none", "fixed", "topk"):
         mine, events = run_gssp(channel, compression)
         states = channel.gather_tree(mine, "test")
         logs = channel.gather_tree(events, "test")
