@@ -3,7 +3,8 @@
 The loop opens a session (:func:`open_session`) and asks it for a wrapped optimizer, a sampler for
 its share of each epoch, and the epoch's numbers; it never knows which mode is active. One process
 trains with :class:`LocalSession`; ranks started by ``medseg train --np N`` (horovodrun) use
-:class:`HorovodSession` with bsp, gssp, ssp or local-sgd and optional compression (see
+:class:`HorovodSession` with bsp, gssp, ssp or local-sgd, or a peer between sites (bsp-hier, fedavg,
+diloco), and optional compression (see
 :mod:`medseg.distributed.sync.common`).
 """
 

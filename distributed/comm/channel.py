@@ -26,6 +26,7 @@ gssp/ssp in-group gradient average          site group (torch)  must not pay the
 gssp/ssp cross-group round (async)          leaders (torch)     must not block in-site training
 in-group broadcast of a received round      site group (torch)  one WAN transfer per site, not |g|
 epoch-end model average (gssp, local-sgd)   site then leaders   WAN bytes of one copy per site
+bsp-hier / fedavg / diloco site rounds      site then leaders   in-site exact, one copy per site
 barriers, small values and state           world (torch)       long timeout; the watchdog decides
 ==========================================  ==================  ===================================
 

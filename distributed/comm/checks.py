@@ -2,7 +2,7 @@
 
 A compromised or faulty site holds the job secret and a tunnel address, so it is an authenticated
 peer; what it sends must still be checked by whoever receives it. Every received cross-site round
-(gssp/ssp), every site's part of an epoch-end or local-sgd model average, every compressed chunk's
+(gssp/ssp), every site's part of an epoch-end, local-sgd, fedavg or diloco model average, every compressed chunk's
 scales and every site's reported speed and metrics pass through here first. A failing site is named
 (in the log and in the :class:`~medseg.errors.RunError` that stops the job with exit status 2), and
 the update is never applied: the receiver raises before touching its parameters.

@@ -256,7 +256,7 @@ def _check_job(
         raise ConfigError("--max-restarts must be >= 0 and --min-sites >= 1")
     if cfg.dist.sync == "none":
         raise ConfigError(
-            "dist.sync: 'none' trains in one process; pick bsp, gssp, ssp or local-sgd for --np"
+            "dist.sync: 'none' trains in one process; pick bsp, gssp, ssp, local-sgd, bsp-hier, fedavg or diloco for --np"
         )
     if not resume and last.exists():
         raise RunError(

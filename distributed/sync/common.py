@@ -8,6 +8,9 @@ optimizer; its maths is stated in its class docstring:
 ``gssp``       :class:`medseg.distributed.sync.gssp.GroupStale`
 ``ssp``        :class:`medseg.distributed.sync.gssp.GroupStale` with one rank per group
 ``local-sgd``  :class:`medseg.distributed.sync.local_sgd.LocalSGD`
+``bsp-hier``   :class:`medseg.distributed.sync.bsp.BulkSynchronous` (``hier``: in-site, then leaders)
+``fedavg``     :class:`medseg.distributed.sync.peers.FedAvg`
+``diloco``     :class:`medseg.distributed.sync.peers.DiLoCo`
 
 Notation: N ranks, partitioned into groups g of |g| ranks (by default one group per host, i.e. per
 hospital site); G groups; w the flat parameter vector (:func:`flat`); η the learning rate. One

@@ -134,15 +134,16 @@ def _add_sites(bench: argparse._SubParsersAction) -> None:
     s.add_argument("--markdown", type=Path, help="update this markdown file's sites section")
     s.add_argument("--seeds", type=int, help="seeds per config (default 3, --quick 1)")
     s.add_argument("--epochs", type=int, help="epochs per run (default 8, --quick 4)")
-    s.add_argument("--scenarios", help="comma-separated subset of lan,wan100,wan20")
+    from medseg.bench.sites_configs import CONFIGS, SCENARIOS, SECURE_TWIN
+
+    plain = ",".join(n for n in SCENARIOS if n not in SECURE_TWIN)
+    s.add_argument("--scenarios", help=f"comma-separated subset of {plain}")
     s.add_argument(
         "--secure",
         action="store_true",
         help="also run wan20 over the site link (WireGuard), right after it in clear, and compare the two",
     )
-    s.add_argument(
-        "--configs", help="comma-separated subset of bsp-none,bsp-fp16,bsp-fixed4,local-sgd,gssp,gssp-fixed4"
-    )
+    s.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIGS)}")
     s.add_argument(
         "--workdir", type=Path, default=Path("runs/bench-sites"), help="data and runs of the benchmark"
     )
