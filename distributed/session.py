@@ -416,6 +416,8 @@ class HorovodSession(LocalSession):
                 weights=[len(g) * p for g, p in zip(self.groups, self.periods)],
                 topk_fraction=d.topk_fraction,
                 topk_bits=d.topk_bits,
+                steps=list(self.periods),
+                normalize_steps=d.normalize_steps,
             )
         self.optimizer.who = self.channel.describe(self.rank)
         return self.optimizer

@@ -146,6 +146,9 @@ class DistConfig:
     # compression: topk (gssp/ssp rounds): share of each layer's entries sent, with error feedback;
     # topk_bits codes the kept values (0: float32) (medseg.distributed.comm.round_codecs)
     topk_fraction: float = 0.01
+    # gssp/ssp: count each site's round change per local step (FedNova), so that a site taking more
+    # steps per round does not pull the model toward its own data (medseg.distributed.sync.gssp)
+    normalize_steps: bool = False
     topk_bits: Literal[0, 2, 4, 8] = 0
     timeout_s: float = 120.0  # a rank silent this long is declared hung and the job is stopped
     profile_steps: int = 8  # timed blocks (>= 0.4 s each) per rank, median: speeds for groups and rounds
@@ -336,6 +339,8 @@ def _check(cfg: Config) -> None:
         raise ConfigError(
             f"dist.compression: topk sparsifies gssp/ssp's cross-site rounds, not {d.sync}'s; use none or fixed"
         )
+    if d.normalize_steps and d.sync not in ("gssp", "ssp"):
+        raise ConfigError(f"dist.normalize_steps: normalises gssp/ssp's rounds, not {d.sync}'s")
     if not 0 < d.topk_fraction <= 1:
         raise ConfigError(f"dist.topk_fraction must be in (0, 1], got {d.topk_fraction}")
     if d.compression == "fp16" and d.sync != "bsp":

@@ -633,7 +633,9 @@ def run_edit_bench(run: Path, rounds: int, shots: Path | None) -> dict:
                 lambda _: view.js("const t = window.medsegViewport.timeline; return !t.preview && !!t.drawn")
             )
             time.sleep(2.0)
+            idle0 = browser_cpu_s(driver)
             cli_before = infer_cli_s(run, ct, tmp / "cli-mask.nii.gz")  # the browser open, idle
+            idle_cpu = browser_cpu_s(driver) - idle0  # what the idle page costs while nothing changes
             cpu0, t0 = browser_cpu_s(driver), time.time()
             button.click()
             wait.until(lambda d: "volume (mL)" in d.find_element(By.TAG_NAME, "body").text)
@@ -641,6 +643,7 @@ def run_edit_bench(run: Path, rounds: int, shots: Path | None) -> dict:
             page_s = time.time() - t0
             stages = {k: v for k, v in breakdown(t0, view).items() if k.startswith("server")}
             stages["browser CPU s"] = round(browser_cpu_s(driver) - cpu0, 1)
+            stages["browser CPU s while medseg infer ran (page idle)"] = round(idle_cpu, 1)
             print(f"inference in the page, seconds after the click: {stages}", flush=True)
             _settled(view)
             # before and after the page's run: the machine's load drifts while it is shared

@@ -41,6 +41,17 @@ def dc_compensate(
     return delta - (lam / lr) * delta * delta * (w_now - w_then)
 
 
+def round_coefficients(weights: list[float], steps: list[int] | None, normalize: bool) -> list[float]:
+    """k_h of S(r) = Σ_h k_h Δ_h(r): c_h, or c_h τ̄ / τ_h with τ̄ = Σ_h c_h τ_h (FedNova; see
+    :class:`GroupStale`)."""
+    if not normalize:
+        return list(weights)
+    if steps is None or len(steps) != len(weights) or min(steps) < 1:
+        raise ValueError(f"normalize_steps needs each group's steps per round (>= 1), got {steps}")
+    mean_steps = sum(c * t for c, t in zip(weights, steps))
+    return [c * mean_steps / t for c, t in zip(weights, steps)]
+
+
 class GroupAverage:
     """Averages gradients over this rank's group every step, on the group's own process group.
 
@@ -150,6 +161,19 @@ class GroupStale(SyncedOptimizer):
     rounds late, and τ = 1 is the pipeline itself (a round exchanged while the next computes, what
     ``dist.hide_wan`` arranges on purpose).
 
+    Unequal local steps (``normalize_steps``; FedNova, Wang et al., NeurIPS 2020). A round of group h
+    is τ_h = period_h local steps, so Δ_h grows with τ_h and the plain mean S = Σ_h c_h Δ_h leans
+    toward the group that takes more steps: on a quadratic F_h = ½||w − m_h||² with step η, a round
+    moves Δ_h = (1 − (1 − η)^τ_h)(m_h − w), and the fixed point of S = 0 weights m_h by
+    c_h (1 − (1 − η)^τ_h), not by c_h. With normalisation each change counts per local step and is
+    rescaled by the round's effective step count τ̄ = Σ_h c_h τ_h::
+
+        S(r) = τ̄ Σ_h c_h Δ_h(r) / τ_h
+
+    whose fixed point weights m_h by c_h (1 − (1 − η)^τ_h)/τ_h ≈ c_h η: the sample-weighted optimum
+    Σ_h c_h m_h to first order in η. Every group still applies the same S(r), so consensus stays
+    exact; with equal periods it is the plain mean.
+
     Bounded staleness: no group starts round k + 1 before every group has submitted round k − s, so
     a group never leads the slowest by more than s completed rounds when it starts a round, and
     τ ≤ s.
@@ -201,6 +225,8 @@ class GroupStale(SyncedOptimizer):
         local_norm: keep the normalisation layers in the site (FedBN, see
             :mod:`medseg.distributed.sync.common`).
         weights: the groups' unnormalised c_h, one per group (default: equal).
+        steps: each group's local steps per round, τ_h (for ``normalize_steps``; default: equal).
+        normalize_steps: count each group's change per local step (FedNova, above).
         topk_fraction: f, the share of each layer's entries a ``"topk"`` round sends.
         topk_bits: bits per kept value with ``"topk"`` (0: float32 values).
     """
@@ -221,6 +247,8 @@ class GroupStale(SyncedOptimizer):
         weights: list[float] | None = None,
         topk_fraction: float = 0.01,
         topk_bits: int = 0,
+        steps: list[int] | None = None,
+        normalize_steps: bool = False,
     ) -> None:
         super().__init__(optimizer, model, local_norm)
         self.channel = channel
@@ -239,7 +267,9 @@ class GroupStale(SyncedOptimizer):
         if len(raw) != self.n_groups or min(raw) <= 0:
             raise ValueError(f"weights {raw} must be positive, one per group ({self.n_groups})")
         self.weights = [float(x) / sum(raw) for x in raw]
-        self.own_weight = self.weights[channel.groups.index(channel.group)]
+        # k_h: what group h's change counts for in S(r): c_h, or c_h τ̄ / τ_h when normalised
+        self.coeffs = round_coefficients(self.weights, steps, normalize_steps)
+        self.own_weight = self.coeffs[channel.groups.index(channel.group)]
         # With one group there is nobody to exchange with; ``exchange=True`` runs the machinery anyway (tests).
         self.single_group = not (self.n_groups > 1 if exchange is None else exchange)
         self.on_event = on_event or (lambda record: None)
@@ -360,7 +390,7 @@ class GroupStale(SyncedOptimizer):
         self.round_guard.check(changes, self.sources, own=self.group_index, shape=(self.numel,), floor=floor)
         total = torch.zeros(self.numel)
         for h, delta in enumerate(changes):
-            total += self.weights[h] * delta
+            total += self.coeffs[h] * delta
         return total
 
     def _apply(self, e: _Round, boundary: int) -> None:
