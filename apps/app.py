@@ -27,8 +27,17 @@ from medseg.apps.state import RESULT
 from medseg.apps.timings import mark
 
 
+# No CSS transitions on the page. Each progress update (one per sliding-window batch) and each
+# rerun's stale fade would otherwise animate for a while; in a browser without a GPU (software
+# WebGL) every animated frame composites the whole page, the viewport's large canvas included, and
+# took about a core from the model running beside it: inference in the page went from 19.2 s to
+# 13.7 s on a 512 x 512 x 300 CT with transitions off (scripts/bench_viewer.py --edit-only).
+NO_TRANSITIONS = "<style>*, *::before, *::after { transition: none !important; }</style>"
+
+
 def main() -> None:
     st.set_page_config(page_title="medseg viewer", layout="wide")
+    st.html(NO_TRANSITIONS)
     apply_model_choice()  # a model chosen for a new upload, before the picker is drawn
     info = sidebar_models()
     if info is None:

@@ -708,6 +708,9 @@ panel applying the edit on the server) is let finish before the next step.
 | measure | time | target | ratio (≤ 1 meets) |
 |---|---|---|---|
 {table}
+
+Where the page's inference went, seconds after the click (server stage marks) and the browser's CPU:
+{", ".join(f"{k}: {v}" for k, v in m.get("infer_stages", {}).items())}.
 """
 
 
