@@ -26,7 +26,6 @@ from medseg.apps.panels.sidebar import sidebar_models
 from medseg.apps.state import RESULT
 from medseg.apps.timings import mark
 
-
 # No CSS transitions on the page. Each progress update (one per sliding-window batch) and each
 # rerun's stale fade would otherwise animate for a while; in a browser without a GPU (software
 # WebGL) every animated frame composites the whole page, the viewport's large canvas included, and

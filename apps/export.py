@@ -145,19 +145,9 @@ def seg_sources(headers: Sequence[Dataset]) -> SegSources:
     return SegSources(filled, generated)
 
 
-def nifti_codes(image: MetaTensor) -> tuple[int, int]:
-    """The (sform, qform) codes of the NIfTI file ``image`` was read from, for a mask written on its
-    grid; (1, 1) (scanner coordinates) for a DICOM series or a file that set neither."""
-    try:
-        codes = (int(image.meta["sform_code"]), int(image.meta["qform_code"]))
-    except (KeyError, TypeError, ValueError):
-        return 1, 1
-    return codes if any(codes) and all(0 <= c <= 4 for c in codes) else (1, 1)
-
-
 def mask_nifti_bytes(label: MetaTensor, codes: tuple[int, int] = (1, 1)) -> bytes:
     """The (1, I, J, K) label map as .nii.gz bytes, with the affine of the image it was predicted on
-    and that image's sform and qform codes (:func:`nifti_codes`): a scan whose sform says
+    and that image's sform and qform codes (:func:`~medseg.datasets.nifti.nifti_codes`): a scan whose sform says
     "aligned to another scan" (code 2) gets a mask that says the same.
 
     Written as ``save_nifti`` (the writer ``medseg infer`` uses) writes, with these codes; the

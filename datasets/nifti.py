@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import nibabel as nib
 import numpy as np
@@ -11,8 +12,22 @@ import numpy as np
 from medseg.datasets.checks import prepare_output_file
 
 
-def save_nifti(array: np.ndarray, affine: np.ndarray, path: str | Path) -> Path:
-    """Write ``array`` with the RAS ``affine`` (sform and qform, code 1) to ``path`` atomically.
+def nifti_codes(image: Any) -> tuple[int, int]:
+    """The (sform, qform) codes of the NIfTI file ``image`` (a MetaTensor, or anything with a
+    ``meta`` dict) was read from, for a mask written on its grid; (1, 1) (scanner coordinates) for
+    a DICOM series or a file that set neither."""
+    try:
+        codes = (int(image.meta["sform_code"]), int(image.meta["qform_code"]))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return 1, 1
+    return codes if any(codes) and all(0 <= c <= 4 for c in codes) else (1, 1)
+
+
+def save_nifti(
+    array: np.ndarray, affine: np.ndarray, path: str | Path, codes: tuple[int, int] = (1, 1)
+) -> Path:
+    """Write ``array`` with the RAS ``affine`` as sform and qform (with ``codes``: (sform, qform),
+    scanner by default; :func:`nifti_codes` keeps an input's) to ``path`` atomically.
 
     The data goes to a hidden temporary file beside ``path`` (same suffix, so nibabel compresses
     ``.nii.gz``) and is renamed over ``path`` only when complete.
@@ -21,8 +36,8 @@ def save_nifti(array: np.ndarray, affine: np.ndarray, path: str | Path) -> Path:
     suffix = ".nii.gz" if path.name.endswith(".nii.gz") else path.suffix
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name[: -len(suffix)]}{suffix}")
     img = nib.Nifti1Image(np.asarray(array), np.asarray(affine, dtype=np.float64))
-    img.set_sform(img.affine, code=1)
-    img.set_qform(img.affine, code=1)
+    img.set_sform(img.affine, code=codes[0])
+    img.set_qform(img.affine, code=codes[1])
     img.header.set_xyzt_units("mm")
     try:
         nib.save(img, str(tmp))

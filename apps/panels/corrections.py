@@ -9,11 +9,12 @@ import pandas as pd
 import streamlit as st
 
 from medseg.apps import review
-from medseg.apps.export import dicom_seg_export, mask_nifti_bytes, nifti_codes
+from medseg.apps.export import dicom_seg_export, mask_nifti_bytes
 from medseg.apps.messages import problem
 from medseg.apps.panels.export import case_seg_sources
 from medseg.apps.registry import ModelInfo
 from medseg.apps.state import CORRECTED, CaseResult, Correction, LoadedCase
+from medseg.datasets.nifti import nifti_codes
 
 
 def _corrected(

@@ -6,7 +6,7 @@ import streamlit as st
 
 from medseg.apps import render, trust, viewport
 from medseg.apps.cache import all_models, cached_bundle, cached_facts
-from medseg.apps.export import mask_nifti_bytes, nifti_codes
+from medseg.apps.export import mask_nifti_bytes
 from medseg.apps.inference import Result, run_model
 from medseg.apps.messages import problem
 from medseg.apps.panels.export import dicom_seg, download_names
@@ -25,6 +25,7 @@ from medseg.apps.state import (
 )
 from medseg.apps.timings import mark
 from medseg.bundle.load import Bundle
+from medseg.datasets.nifti import nifti_codes
 
 MODEL_KEY = "model"  # the sidebar picker's widget key (``panels.sidebar``)
 

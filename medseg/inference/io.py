@@ -105,7 +105,11 @@ class LazyVolume:
         self.shape = (1, *self.spatial)
         self.ndim = 4
         self.affine = torch.as_tensor(np.array(img.affine, dtype=np.float64))
-        self.meta: dict[str, Any] = {"filename_or_obj": str(self.path)}
+        self.meta: dict[str, Any] = {
+            "filename_or_obj": str(self.path),
+            "sform_code": int(img.header["sform_code"]),
+            "qform_code": int(img.header["qform_code"]),
+        }
         self.dtype = torch.float32
         self.stored_itemsize = int(img.get_data_dtype().itemsize)
 

@@ -27,7 +27,7 @@ from monai.data import MetaTensor
 
 from medseg.bundle.load import Bundle, load_bundle
 from medseg.datasets import checks
-from medseg.datasets.nifti import save_nifti
+from medseg.datasets.nifti import nifti_codes, save_nifti
 from medseg.errors import DataError
 from medseg.inference.io import NIFTI_SUFFIXES, LazyVolume, load_image, stream_threshold
 from medseg.inference.memory import check_fits, estimate
@@ -138,5 +138,6 @@ def infer_to_file(
             tmp.unlink(missing_ok=True)
         return output
     assert result.label is not None
-    save_nifti(result.label[0].numpy(), np.asarray(image.affine, dtype=np.float64), output)
+    affine = np.asarray(image.affine, dtype=np.float64)
+    save_nifti(result.label[0].numpy(), affine, output, nifti_codes(image))  # the input's sform/qform codes
     return output

@@ -21,9 +21,10 @@ import pydicom
 import pytest
 
 from medseg.apps import review
-from medseg.apps.export import dicom_seg_export, mask_nifti_bytes, nifti_codes
+from medseg.apps.export import dicom_seg_export, mask_nifti_bytes
 from medseg.apps.panels.export import case_seg_sources
 from medseg.datasets.dicom.write import write_dicom_series
+from medseg.datasets.nifti import nifti_codes
 from medseg.inference.io import load_image
 from tests.apps.test_app import errors, new_app, run_model, upload_files
 

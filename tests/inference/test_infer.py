@@ -143,3 +143,18 @@ def test_classification_train_infer_evaluate(cls_data: Path, tmp_path: Path) -> 
     assert set(probs) == {"sphere", "cube"} and sum(probs.values()) == pytest.approx(1.0, abs=1e-5)
     result = evaluate(run.run_dir, progress=False)
     assert 0.0 <= result["summary"]["auc"] <= 1.0
+
+
+def test_infer_keeps_the_inputs_sform_and_qform_codes(seg_run, seg_data: Path, tmp_path: Path) -> None:
+    """A scan aligned to another (sform code 2, no qform) gets a mask that says the same, not code 1."""
+    src = nib.load(sorted((seg_data / "imagesTr").glob("*.nii.gz"))[0])
+    img = nib.Nifti1Image(np.asanyarray(src.dataobj), src.affine)
+    img.set_sform(src.affine, code=2)
+    img.set_qform(src.affine, code=0)
+    scan = tmp_path / "aligned.nii.gz"
+    nib.save(img, scan)
+    out = tmp_path / "mask.nii.gz"
+    assert main(["infer", "--run", str(seg_run.run_dir), "--input", str(scan), "--output", str(out)]) == 0
+    header = nib.load(out).header
+    assert (int(header["sform_code"]), int(header["qform_code"])) == (2, 0)
+    assert np.allclose(nib.load(out).affine, src.affine, atol=1e-4)
