@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.medseg-setup
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # Test tiers (markers set in tests/conftest.py): unit, train, mp, sites, browser, gpu.
-.PHONY: setup demo test test-fast bench lint app browser sites-deps dicom-deps vendor
+.PHONY: setup demo test test-fast bench lint app browser sites-deps dicom-deps vendor nnunet-deps
 
 setup: $(STAMP) vendor
 
@@ -94,3 +94,12 @@ bench: setup
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+# nnU-Net v2 for scripts/bench_real.py only, in its own venv: never a dependency of medseg. torch 2.14.1
+# with torchvision 0.29.1 from this machine's disk, because nnU-Net's trainer lookup imports timm, which
+# needs torchvision, and PyPI's torchvision does not load beside the 2.13.0 CPU build medseg uses.
+NNUNET_VENV := .venv-nnunet
+nnunet-deps:
+	test -x $(NNUNET_VENV)/bin/python || $(PYTHON) -m venv $(NNUNET_VENV)
+	$(NNUNET_VENV)/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(NNUNET_VENV)/bin/python -m pip install -q nnunetv2==2.8.1

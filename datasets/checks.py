@@ -357,14 +357,35 @@ def _list(values: Iterable[Any]) -> str:
     return text + (f", ... ({len(vals)} in all)" if len(vals) > _MAX_LISTED else "")
 
 
+def _missing_values(keys: list[int]) -> str:
+    """`` (missing: 2, 5, ...)`` for the values absent from 0..max(keys), or "" (bounded work: the
+    first few are found by walking, the count is arithmetic)."""
+    present = set(keys)
+    count = max(keys) + 1 - sum(1 for k in present if k >= 0)
+    if count <= 0:
+        return ""
+    first, v = [], 0
+    while len(first) < min(count, _MAX_LISTED):
+        if v not in present:
+            first.append(v)
+        v += 1
+    more = f", ... ({count} in all)" if count > len(first) else ""
+    return f" (missing: {', '.join(map(str, first))}{more})"
+
+
 def declared_label_problems(labels: Mapping[int, str], where: str, task: str = "segmentation") -> list[str]:
-    """Declared labels must be 0..n-1: the model has one output channel per label, indexed by value."""
+    """Declared labels must be 0..n-1: the model has one output channel per label, indexed by value.
+
+    The problem names the values missing below the largest, so a sparse ``labels`` (e.g. only the
+    structures one scan holds of TotalSegmentator's 117) shows what to add."""
     keys = sorted(labels)
     if keys != list(range(len(keys))):
         what = "label values" if task == "segmentation" else "classes"
+        gaps = _missing_values(keys)
         return [
-            f"{where}: 'labels' declares {what} {_list(keys)}, which are not 0..{len(keys) - 1}; "
-            f"number them consecutively from 0 (0 = background for segmentation)"
+            f"{where}: 'labels' declares {what} {_list(keys)}, which are not 0..{len(keys) - 1}{gaps}; "
+            "number them consecutively from 0 (0 = background for segmentation), declaring the values "
+            "no case holds too"
         ]
     return []
 

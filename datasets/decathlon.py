@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
+from medseg.datasets import nnunet_layout
 from medseg.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -195,12 +196,16 @@ def _parse_test(test_raw: list[Any], root_path: Path, json_path: Path) -> list[d
 def load_dataset(root: str | os.PathLike[str]) -> DatasetInfo:
     """Read ``root/dataset.json`` (Decathlon layout) and resolve its paths against ``root``.
 
+    An nnU-Net v2 raw dataset (``channel_names`` and ``file_ending``, no ``training`` list) is read by
+    ``medseg.datasets.nnunet_layout``, which finds its cases in ``imagesTr`` / ``labelsTr``.
     Raises DataError when the folder or file is missing, the JSON is invalid, or a key is missing or
     has the wrong type. Files themselves are not opened here: see ``medseg.datasets.validate``.
     """
     json_path = _dataset_json_path(root)
     root_path = json_path.parent
     raw = _read_json_object(json_path)
+    if nnunet_layout.is_nnunet_raw(raw):
+        return DatasetInfo(**nnunet_layout.read_nnunet_raw(raw, root_path, json_path))
 
     task = _optional(raw, json_path, "task", str, "a string", "segmentation")
     if task not in TASKS:

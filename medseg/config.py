@@ -64,6 +64,10 @@ class TransformConfig:
     neg: float = 1.0
     crop_foreground: bool = True
     augment: bool = True
+    # which random transforms augment a training patch (medseg.training.augment): light = flips and
+    # intensity scale/shift; nnunet = nnU-Net's default recipe in MONAI transforms (rotation, scaling,
+    # noise, blur, brightness, contrast, low resolution, gamma, mirroring)
+    augment_recipe: Literal["light", "nnunet"] = "light"
     normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
     # classification: what the network sees. centre: the volume padded or cropped about its centre to
     # ``patch``; object: the bounding box of the image's object (Otsu threshold of a smoothed copy),
@@ -92,7 +96,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 1e-5
     optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
-    scheduler: Literal["cosine", "none"] = "cosine"
+    scheduler: Literal["cosine", "poly", "none"] = "cosine"  # poly: lr (1 - epoch / epochs)^0.9
     val_interval: int = 1
     stop_at: float = 0.0  # stop once the key validation metric reaches this (0 = train every epoch)
     min_epochs: int = 0  # ... but not before this epoch
@@ -201,6 +205,10 @@ class InferConfig:
     sw_batch_size: int = 4
     overlap: float = 0.25
     mode: Literal["gaussian", "constant"] = "gaussian"
+    # test-time mirroring: the mean of the logits over every flip of these spatial axes (0, 1, 2 of
+    # RAS); [] = none, [0, 1, 2] = nnU-Net's 8 flips
+    mirror: list[int] = field(default_factory=list)
+    keep_largest: bool = False  # per foreground class, keep only its largest connected component
 
 
 @dataclass
@@ -314,6 +322,10 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"transforms.patch: swinunetr needs every side divisible by 32, got {t.patch}")
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: expected a number in [0, 1), got {cfg.data.val_fraction}")
+    if len(set(cfg.infer.mirror)) != len(cfg.infer.mirror) or not set(cfg.infer.mirror) <= {0, 1, 2}:
+        raise ConfigError(
+            f"infer.mirror: expected distinct spatial axes among 0, 1, 2, got {cfg.infer.mirror}"
+        )
     if not 0.0 <= cfg.infer.overlap < 1.0:
         raise ConfigError(f"infer.overlap: expected a number in [0, 1), got {cfg.infer.overlap}")
     for key in ("epochs", "batch_size", "val_interval"):
@@ -408,6 +420,15 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         return config_from_dict(apply_overrides(data, overrides or []))
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def with_infer_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """``cfg`` with ``infer.*`` overrides applied (``medseg infer`` / ``evaluate``: how a trained model is
+    run, e.g. ``infer.mirror=[0,1,2]``); any other key is refused, since the model was trained with it."""
+    for item in overrides:
+        if not item.split("=", 1)[0].strip().startswith("infer."):
+            raise ConfigError(f"override {item!r}: only infer.* settings can change after training")
+    return config_from_dict(apply_overrides(cfg.to_dict(), overrides)) if overrides else cfg
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -26,7 +26,7 @@ from medseg.datasets.synthetic import make_cls_dataset, make_seg_dataset
 from medseg.training.loop import train
 
 SITES_FILES = {"test_site_link.py"}  # the secure site link on a real testbed (tests/secure/)
-TRAINED_FIXTURES = {"seg_run", "cls_run", "app_runs"}
+TRAINED_FIXTURES = {"seg_run", "cls_run", "app_runs", "totalseg_runs"}
 MP_SIGNS = ('"--np"', "horovodrun", "HOROVODRUN", "MEDSEG_WORKER", "subprocess", "Popen", "sys.executable")
 TRAIN_SIGNS = ("train(", '"train"', "train_run(", "getfixturevalue", "plan(", "bench_infer(")
 

@@ -18,7 +18,11 @@ def _evaluate(args: argparse.Namespace) -> None:
 
     if args.data and len(args.data) > 1:
         result = evaluate_sites(
-            args.run, parse_data_args(args.data), progress=not args.no_progress, trust=args.trust_bundle
+            args.run,
+            parse_data_args(args.data),
+            progress=not args.no_progress,
+            trust=args.trust_bundle,
+            infer=args.overrides,
         )
         print(f"{result['run']} on {len(result['sites'])} sites")
         print(format_sites(result))
@@ -31,6 +35,7 @@ def _evaluate(args: argparse.Namespace) -> None:
         progress=not args.no_progress,
         site=named[0] if named else None,
         trust=args.trust_bundle,
+        infer=args.overrides,
     )
     print(f"{result['run']} on {result['data']}")
     print(format_result(result))
@@ -56,6 +61,7 @@ def _infer(args: argparse.Namespace) -> None:
         resample=args.resample,
         stream_above=args.stream_above,
         trust=args.trust_bundle,
+        infer=args.overrides,
     )
     print(f"wrote {out}")
 
@@ -82,6 +88,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--no-progress", action="store_true")
     _add_trust(s)
+    s.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="infer.key=value",
+        help="inference settings for this call, e.g. infer.mirror=[0,1,2] (test-time mirroring) "
+        "infer.keep_largest=true",
+    )
     s.set_defaults(func=_evaluate)
 
     s = subparsers.add_parser("infer", help="run a trained model on a NIfTI file or DICOM series folder")
@@ -102,4 +115,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "labels, less memory; default 134217728 = 512x512x512, or MEDSEG_STREAM_VOXELS; 0 streams always)",
     )
     _add_trust(s)
+    s.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="infer.key=value",
+        help="inference settings for this call, e.g. infer.mirror=[0,1,2] (test-time mirroring) "
+        "infer.keep_largest=true",
+    )
     s.set_defaults(func=_infer)

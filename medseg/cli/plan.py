@@ -94,7 +94,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--time-s",
         type=float,
-        help="wall seconds of training steps the plan must fit (default on cpu: the demo's compute, measured as an anchor in the same run; 0 = no limit; cuda: none)",
+        help="wall seconds of training the plan must fit; without --steps the steps fill 80%% of it "
+        "(default on cpu: the demo's compute, measured as an anchor in the same run; 0 = no limit; cuda: none)",
     )
     s.add_argument(
         "--steps", type=int, help="training steps to plan for (default 1000 on cpu, 25000 on cuda)"

@@ -22,18 +22,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from monai.metrics import DiceMetric, HausdorffDistanceMetric
+from monai.metrics import DiceMetric
 from monai.networks.utils import one_hot
 from tqdm import tqdm
 
 from medseg.bundle.load import Bundle, load_bundle, site_names, use_site
-from medseg.config import load_config
+from medseg.config import load_config, with_infer_overrides
 from medseg.datasets import checks
 from medseg.datasets.decathlon import load_dataset, split_train_val
 from medseg.errors import DataError, MedsegError
 from medseg.inference.io import load_image
 from medseg.inference.predict import predict
-from medseg.training.tasks import classification_metrics
+from medseg.training.tasks import classification_metrics, hausdorff95
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -95,7 +95,7 @@ def _seg_case(bundle: Bundle, item: dict[str, Any]) -> dict[str, Any]:
     p, t = one_hot(pred[None].long(), n), one_hot(truth[None].round().long(), n)
     spacing = np.linalg.norm(np.asarray(image.affine)[:3, :3], axis=0).tolist()
     dice = DiceMetric(include_background=False, ignore_empty=True)(p, t)[0].tolist()
-    hd = HausdorffDistanceMetric(include_background=False, percentile=95)(p, t, spacing=spacing)[0].tolist()
+    hd = hausdorff95(p, t, spacing)[0].tolist()
     row: dict[str, Any] = {"case": Path(item["image"]).name}
     for k, d, h in zip([k for k in sorted(bundle.labels) if k != 0], dice, hd):
         row[f"dice_{bundle.labels[k]}"] = d if math.isfinite(d) else None
@@ -110,13 +110,16 @@ def evaluate(
     progress: bool = True,
     site: str | None = None,
     trust: bool = False,
+    infer: list[str] | None = None,
 ) -> dict[str, Any]:
     """Score the run's bundle; write ``<run>/eval-<dataset>.json`` and return the same mapping.
 
     ``site``: for a bundle trained with ``dist.local_norm``, score with that site's own
     normalisation tensors (the site's model); otherwise ignored. ``trust``: see
-    :func:`medseg.bundle.load.load_bundle`."""
+    :func:`medseg.bundle.load.load_bundle`. ``infer``: ``infer.*=value`` overrides of the bundle's
+    inference settings (test-time mirroring, connected components, windows)."""
     bundle = load_bundle(run, trust=trust)
+    bundle.config = with_infer_overrides(bundle.config, infer or [])
     if site is not None and site in site_names(bundle):
         use_site(bundle, site)
     source, items = _cases(bundle, data_dir)
@@ -166,19 +169,42 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+#: a table wider than this many characters is printed one line per metric instead of one per case
+TABLE_WIDTH = 200
+
+
+def _cell(v: Any) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else ("-" if v is None else str(v))
+
+
+def _table(corner: str, rows: list[tuple[str, list[Any]]], columns: list[str], fit: bool = True) -> str:
+    """Fixed-width text: ``corner`` and ``columns`` as the header, then one line per (name, values).
+
+    Every column is as wide as its whole name (at least 12), so no name is cut: metric names carry the
+    class names, and cutting them made, e.g., ``dice_iliac_artery_left`` and ``hd95_iliac_artery_left``
+    the same header. When one line per row would be wider than :data:`TABLE_WIDTH` (many classes),
+    the table is transposed (``fit``): one line per column name, one column per row name.
+    """
+    first = max(len(corner), *(len(name) for name, _ in rows))
+    widths = [max(12, len(c)) for c in columns]
+    if fit and first + sum(w + 1 for w in widths) > TABLE_WIDTH:
+        flipped = [(c, [values[i] for _, values in rows]) for i, c in enumerate(columns)]
+        return _table("metric", flipped, [name for name, _ in rows], fit=False)
+    lines = [corner.ljust(first) + "".join(" " + c.rjust(w) for c, w in zip(columns, widths))]
+    lines += [
+        name.ljust(first) + "".join(" " + _cell(v).rjust(w) for v, w in zip(values, widths))
+        for name, values in rows
+    ]
+    return "\n".join(lines)
+
+
 def format_result(result: dict[str, Any]) -> str:
-    """A fixed-width table of per-case rows and the mean row."""
+    """A fixed-width table of per-case rows and the mean row (transposed for many classes, see :func:`_table`)."""
     rows = result["cases"]
     keys = [k for k in rows[0] if k != "case"]
-    width = max(12, *(len(r["case"]) for r in rows))
-
-    def cell(v: Any) -> str:
-        return f"{v:>12.4f}" if isinstance(v, float) else f"{'-' if v is None else v!s:>12}"
-
-    lines = [f"{'case':<{width}}" + "".join(f"{k:>12}"[-12:].rjust(13) for k in keys)]
-    lines += [f"{r['case']:<{width}}" + "".join(" " + cell(r[k]) for k in keys) for r in rows]
     summary = result["summary"]
-    lines.append(f"{'mean':<{width}}" + "".join(" " + cell(summary.get(k)) for k in keys))
+    table = [(r["case"], [r[k] for k in keys]) for r in rows] + [("mean", [summary.get(k) for k in keys])]
+    lines = [_table("case", table, keys)]
     if result["task"] == "classification":
         lines.append(f"AUC {summary['auc']:.4f}  accuracy {summary['accuracy']:.4f}")
     return "\n".join(lines)
@@ -197,7 +223,11 @@ def parse_data_args(values: list[str]) -> list[tuple[str, Path]]:
 
 
 def evaluate_sites(
-    run: str | Path, datasets: list[tuple[str, Path]], progress: bool = True, trust: bool = False
+    run: str | Path,
+    datasets: list[tuple[str, Path]],
+    progress: bool = True,
+    trust: bool = False,
+    infer: list[str] | None = None,
 ) -> dict[str, Any]:
     """Score the bundle on several sites' datasets: one summary row per site and a pooled row.
 
@@ -210,7 +240,7 @@ def evaluate_sites(
     rows: list[dict[str, Any]] = []
     task = None
     for name, folder in datasets:
-        result = evaluate(run, folder, progress=progress, site=name, trust=trust)
+        result = evaluate(run, folder, progress=progress, site=name, trust=trust, infer=infer)
         task = result["task"]
         per_site[name] = {**result["summary"], "cases": len(result["cases"]), "data": result["data"]}
         rows += result["cases"]
@@ -230,14 +260,6 @@ def evaluate_sites(
 
 def format_sites(result: dict[str, Any]) -> str:
     """Sites against metrics: one row per site, then the pooled row."""
-    sites = result["sites"]
-    keys = [k for k in result["pooled"] if k != "cases"]
-    width = max(8, *(len(s) for s in sites))
-
-    def cell(v: Any) -> str:
-        return f"{v:>12.4f}" if isinstance(v, float) else f"{'-' if v is None else v!s:>12}"
-
-    lines = [f"{'site':<{width}}" + f"{'cases':>7}" + "".join(f" {k[-12:]:>12}" for k in keys)]
-    for name, m in list(sites.items()) + [("pooled", result["pooled"])]:
-        lines.append(f"{name:<{width}}" + f"{m['cases']:>7}" + "".join(" " + cell(m.get(k)) for k in keys))
-    return "\n".join(lines)
+    keys = ["cases"] + [k for k in result["pooled"] if k != "cases"]
+    named = list(result["sites"].items()) + [("pooled", result["pooled"])]
+    return _table("site", [(name, [m.get(k) for k in keys]) for name, m in named], keys)

@@ -26,6 +26,7 @@ import torch
 from monai.data import MetaTensor
 
 from medseg.bundle.load import Bundle, load_bundle
+from medseg.config import with_infer_overrides
 from medseg.datasets import checks
 from medseg.datasets.nifti import nifti_codes, save_nifti
 from medseg.errors import DataError
@@ -81,6 +82,8 @@ def predict(
         return Prediction(None, {bundle.labels[i]: float(p) for i, p in enumerate(probs)})
 
     label = segment(model, cfg, image, device, progress)[None]
+    if cfg.infer.keep_largest:
+        label = keep_largest_components(label, [k for k in bundle.labels if k != 0])
     label = MetaTensor(label, affine=image.affine, meta=dict(image.meta))
     if tuple(label.shape[1:]) != tuple(image.shape[1:]):  # pragma: no cover - invert_argmax guarantees this
         raise RuntimeError(
@@ -89,6 +92,15 @@ def predict(
     if progress:
         progress(1.0)
     return Prediction(label, None)
+
+
+def keep_largest_components(label: torch.Tensor, classes: list[int]) -> torch.Tensor:
+    """``infer.keep_largest``: each class keeps only its largest connected component (26-neighbourhood),
+    the rest of it becomes background (MONAI's ``KeepLargestConnectedComponent``, classes independent)."""
+    from monai.transforms import KeepLargestConnectedComponent
+
+    kept = KeepLargestConnectedComponent(applied_labels=classes, is_onehot=False, independent=True)(label)
+    return torch.as_tensor(kept, dtype=label.dtype)
 
 
 def label_volumes(label: MetaTensor, labels: dict[int, str]) -> list[dict[str, float | int | str]]:
@@ -110,12 +122,15 @@ def infer_to_file(
     resample: bool = False,
     stream_above: int | None = None,
     trust: bool = False,
+    infer: list[str] | None = None,
 ) -> Path:
     """``medseg infer``: a NIfTI label map (segmentation) or a JSON of class probabilities (classification).
 
     NIfTI inputs of more than ``stream_above`` voxels (default :func:`medseg.inference.io.stream_threshold`)
-    take the streaming path. ``trust``: see :func:`medseg.bundle.load.load_bundle`."""
+    take the streaming path. ``trust``: see :func:`medseg.bundle.load.load_bundle`. ``infer``: ``infer.*=value``
+    overrides of the bundle's inference settings."""
     bundle, output = load_bundle(run, trust=trust), Path(output)
+    bundle.config = with_infer_overrides(bundle.config, infer or [])
     checks.prepare_output_file(output, [source], create=False)  # before the input is read
     if bundle.task == "classification" and output.suffix != ".json":
         raise DataError(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from itertools import combinations
 
 import numpy as np
 import torch
@@ -93,6 +94,28 @@ def model_input(cfg: Config, image: MetaTensor) -> tuple[torch.Tensor, np.ndarra
     return (x.as_tensor() if isinstance(x, MetaTensor) else x), affine
 
 
+def mirror_averaged(
+    forward: Callable[[torch.Tensor], torch.Tensor], axes: list[int]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Test-time mirroring (``infer.mirror``): the mean of the logits over every flip of ``axes``.
+
+    With F_S the flip of the spatial axes S of a (B, C, X, Y, Z) batch, the mirrored forward is
+    f_m(x) = 2^-|A| sum_{S subset of A} F_S(f(F_S(x))), A = ``axes`` (nnU-Net's 8 flips for A = {0, 1, 2}).
+    Each F_S is its own inverse, so every term is a prediction on ``x``'s own grid.
+    """
+    if not axes:
+        return forward
+    flips = [tuple(a + 2 for a in combo) for r in range(len(axes) + 1) for combo in combinations(axes, r)]
+
+    def averaged(patch: torch.Tensor) -> torch.Tensor:
+        total = forward(patch)
+        for dims in flips[1:]:
+            total = total + torch.flip(forward(torch.flip(patch, dims)), dims)
+        return total / len(flips)
+
+    return averaged
+
+
 def _softmax_rows_(block: torch.Tensor) -> None:
     """Softmax over classes (dim 0) in place, one first-axis row at a time (per voxel: rows change nothing)."""
     for r in range(block.shape[1]):
@@ -121,6 +144,7 @@ def segment(
         return model(patch.float()).to(acc)
 
     inf = cfg.infer
+    forward = mirror_averaged(forward, inf.mirror)
     use_amp = device.type == "cuda" and cfg.train.amp
     m = voxel_map(model_affine, np.asarray(image.affine, dtype=np.float64))
     out_shape = tuple(int(n) for n in image.shape[1:4])

@@ -8,7 +8,9 @@ Segmentation: the patch starts as the median image at the target spacing (rounde
 network's divisor) and shrinks, one divisor step on the axis whose patch is largest relative to the
 median image, until the predicted total (batch 2) is within ``SAFETY`` (90%) of the budget and, on
 ``--device cpu``, ``steps`` training steps take at most ``TRAIN_SHARE`` of ``--time-s`` (without
-``--time-s`` on CPU: at most the demo's compute, measured now). If the patch then sees less than a
+``--time-s`` on CPU: at most the demo's compute, measured now). With ``--time-s`` and no ``--steps``,
+the steps then grow to fill ``TRAIN_SHARE`` of the budget at the fitted patch and batch, so a larger
+budget trains longer once the patch covers the image. If the patch then sees less than a
 quarter of a median image, the spacing is coarsened and the search is repeated. The batch is then
 raised from 2 (:mod:`medseg.planning.rules`, 4.). ``--verify`` measures the batch the config trains
 with: ``train.batch_size`` cases times ``transforms.num_samples`` patches.
@@ -90,6 +92,7 @@ class Budget:
     demo: bool  # the CPU default: at most the demo's compute, measured now
     per_step: float | None = None  # seconds (CPU seconds with ``demo``) per training step
     anchor: dict[str, Any] | None = None  # the demo's measured step, with ``demo``
+    fill: bool = False  # --time-s without --steps: the steps fill the time budget at the fitted patch
 
 
 @dataclass
@@ -138,6 +141,7 @@ def plan(
         None if time_s == -1.0 else (time_s or None),
         steps or DEFAULT_STEPS[device],
         device == "cpu" and time_s == -1.0,
+        fill=steps is None and time_s not in (-1.0, 0, None),
     )
     spacing, base, comments = _base_config(fp, dataset, name, device)
     if fp["task"] != "segmentation":
@@ -191,6 +195,10 @@ def _plan_segmentation(
     median_shape = median_at(fp, fit.spacing)
     batch = _batch(fit, budget, fp["num_cases"] * math.prod(median_shape))
     cases, samples = split_batch(batch)
+    if budget.fill and budget.time_s:
+        budget.steps = max(
+            budget.steps, int(TRAIN_SHARE * budget.time_s / fit.memory.step_s(batch * math.prod(fit.patch)))
+        )
     epochs, spe = epochs_for(budget.steps, n_train, cases)
     model, model_why = model_section(net, device, fit.patch, fit.spacing)
     cfg = _segmentation_config(base, fit.patch, samples, model, epochs, cases, fused)

@@ -41,7 +41,10 @@ def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimize
 def build_scheduler(
     cfg: Config, optimizer: torch.optim.Optimizer
 ) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """Cosine annealing over ``train.epochs`` (stepped once per epoch), or none."""
+    """Stepped once per epoch e = 0 .. E-1 (E = ``train.epochs``): cosine, lr_e = lr (1 + cos(pi e / E)) / 2;
+    poly (nnU-Net's), lr_e = lr (1 - e / E)^0.9; or none."""
+    if cfg.train.scheduler == "poly":
+        return torch.optim.lr_scheduler.PolynomialLR(optimizer, total_iters=cfg.train.epochs, power=0.9)
     if cfg.train.scheduler != "cosine":
         return None
     return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.train.epochs)

@@ -64,7 +64,11 @@ def restore(run: Run, state: dict[str, Any] | None) -> History:
     run.base_optimizer.load_state_dict(state["optimizer"])
     if run.scheduler is not None and state.get("scheduler"):
         run.scheduler.load_state_dict(state["scheduler"])
-        run.scheduler.T_max = run.cfg.train.epochs
+        # a resumed run may have been given more epochs: the schedule's length is this run's
+        if hasattr(run.scheduler, "T_max"):
+            run.scheduler.T_max = run.cfg.train.epochs
+        if hasattr(run.scheduler, "total_iters"):
+            run.scheduler.total_iters = run.cfg.train.epochs
     set_rng_state(state["rng"])
     history = History(
         records=[r for r in records if r["epoch"] <= state["epoch"]],

@@ -20,7 +20,6 @@ import torch
 from monai.inferers import sliding_window_inference
 from monai.losses import DiceCELoss
 from monai.metrics import compute_dice, compute_hausdorff_distance, compute_roc_auc
-from monai.metrics.utils import do_metric_reduction
 from monai.networks.utils import one_hot
 
 from medseg.config import Config
@@ -52,6 +51,46 @@ def improves(record: dict[str, Any], best: dict[str, Any] | None, key: str, tie:
 
 def _finite(x: float) -> float | None:
     return float(x) if math.isfinite(float(x)) else None
+
+
+def class_means(per_case: torch.Tensor) -> list[float]:
+    """Mean over cases (rows) of each class (column), non-finite values left out; NaN for a class
+    with no finite value.
+
+    A NaN is a class absent from a case's truth (Dice with ``ignore_empty``) or from its truth or
+    prediction (Hausdorff distance). MONAI's ``do_metric_reduction(..., "mean_batch")`` gives 0.0 for a
+    class that is NaN in every case, which read as Dice 0 and a perfect 0 mm HD95 for classes that
+    are only named in ``dataset.json`` (most of TotalSegmentator's 117 in any one scan).
+    """
+    x = per_case.float()
+    return torch.nanmean(torch.where(torch.isfinite(x), x, torch.nan), dim=0).cpu().tolist()
+
+
+def hausdorff95(pred: torch.Tensor, truth: torch.Tensor, spacing: Any) -> torch.Tensor:
+    """Per-case, per-class 95th-percentile Hausdorff distance (B, C - 1), background left out: MONAI's
+    ``compute_hausdorff_distance(pred, truth, include_background=False, percentile=95, spacing=...)``
+    on one-hot (B, C, ...) maps, computed only for the classes some case holds in both maps.
+
+    Any other class is NaN (MONAI's value when either map is empty), but MONAI spends as long on it
+    as on a real one (about 0.1 s a class on a 122 x 101 x 30 CT): a TotalSegmentator CT declares 117
+    classes and holds about 40.
+    """
+    both = (pred.flatten(2).any(2) & truth.flatten(2).any(2)).any(0)
+    both[0] = False
+    out = torch.full((pred.shape[0], pred.shape[1] - 1), float("nan"), device=pred.device)
+    idx = torch.nonzero(both).flatten()
+    if idx.numel():
+        hd = compute_hausdorff_distance(
+            pred[:, idx], truth[:, idx], include_background=True, percentile=95, spacing=spacing
+        )
+        out[:, idx - 1] = hd.to(out.dtype)
+    return out
+
+
+def _mean_of_finite(values: list[float]) -> float | None:
+    """The mean of the finite values (classes scored), None when there are none."""
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else None
 
 
 class SegmentationTask:
@@ -101,16 +140,10 @@ class SegmentationTask:
             pred = one_hot(logits.argmax(1, keepdim=True), self.num_classes)
             truth = one_hot(batch["label"].to(device).long(), self.num_classes)
             dices.append(compute_dice(pred, truth, include_background=False, ignore_empty=True))
-            hds.append(
-                compute_hausdorff_distance(
-                    pred, truth, include_background=False, percentile=95, spacing=t.spacing
-                )
-            )
-        # mean over cases per class, NaNs (class absent) left out, as DiceMetric(reduction="mean_batch")
-        per_dice = do_metric_reduction(torch.cat(dices), "mean_batch")[0].cpu().tolist()
-        per_hd = do_metric_reduction(torch.cat(hds).float(), "mean_batch")[0].cpu().tolist()
+            hds.append(hausdorff95(pred, truth, t.spacing))
+        per_dice, per_hd = class_means(torch.cat(dices)), class_means(torch.cat(hds))
         names = [self.labels[k] for k in sorted(self.labels) if k != 0]
-        out: dict[str, Any] = {"val_dice": _finite(sum(per_dice) / len(per_dice))}
+        out: dict[str, Any] = {"val_dice": _mean_of_finite(per_dice)}
         for name, d, h in zip(names, per_dice, per_hd):
             out[f"val_dice_{name}"] = _finite(d)
             out[f"val_hd95_{name}"] = _finite(h)

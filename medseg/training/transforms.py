@@ -21,6 +21,7 @@ from scipy.ndimage import gaussian_filter
 from medseg.config import Config
 from medseg.datasets.dicom.reader import DicomSeriesReader
 from medseg.errors import DataError, MedsegError
+from medseg.training import augment
 
 
 class LoadVolumed(mt.LoadImaged):
@@ -181,7 +182,7 @@ def preprocess(cfg: Config) -> mt.Compose:
 
 
 def seg_train(cfg: Config) -> mt.Compose:
-    """Load, normalise, crop to the body, then sample pos/neg patches and augment."""
+    """Load, normalise, crop to the body, then sample pos/neg patches and augment (:mod:`medseg.training.augment`)."""
     t, keys = cfg.transforms, ["image", "label"]
     chain = [*loader(keys).transforms, *_geometry(cfg, keys, ["bilinear", "nearest"])]
     if t.crop_foreground:
@@ -204,13 +205,7 @@ def seg_train(cfg: Config) -> mt.Compose:
         ),
     ]
     if t.augment:
-        chain += [
-            mt.RandFlipd(keys, prob=0.2, spatial_axis=0),
-            mt.RandFlipd(keys, prob=0.2, spatial_axis=1),
-            mt.RandFlipd(keys, prob=0.2, spatial_axis=2),
-            mt.RandScaleIntensityd("image", factors=0.1, prob=0.5),
-            mt.RandShiftIntensityd("image", offsets=0.05, prob=0.5),
-        ]
+        chain += augment.recipe(t.augment_recipe, keys)
     return mt.Compose(chain)
 
 

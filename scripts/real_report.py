@@ -1,0 +1,119 @@
+"""The real-MR benchmark's table, target checks and plot, from ``docs/bench-real.json``.
+
+Targets (issue 29), each printed PASS or FAIL with its numbers:
+
+1. equal CPU: for each nnU-Net result, medseg's mean held-out Dice with no more training CPU
+   (its ``REFERENCE`` variant and evaluation, fixed before the runs) is >= nnU-Net's;
+2. time to nnU-Net's level: the least training CPU at which a medseg ``REFERENCE`` run reaches
+   nnU-Net's best mean Dice in the file, over nnU-Net's CPU for that result, is <= 0.5;
+3. published level: a medseg run of at most 60 CPU minutes of training reaches Dice >= 0.90
+   (anterior) and >= 0.89 (posterior) on the held-out cases.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+#: the medseg result the targets judge: (training variant, evaluation)
+REFERENCE = ("planned", "as-trained")
+PUBLISHED = {"dice_Anterior": 0.90, "dice_Posterior": 0.89}
+MARK = ("<!-- bench:real -->", "<!-- /bench:real -->")
+
+
+def rows(results: list[dict]) -> list[dict]:
+    """One row per (result, evaluation)."""
+    out = []
+    for r in results:
+        for ev, d in r["eval"].items():
+            out.append(
+                {
+                    **{k: r[k] for k in ("system", "variant", "seed", "train_cpu_s", "commit", "load")},
+                    "eval": ev,
+                    **d,
+                }
+            )
+    return out
+
+
+def table(flat: list[dict]) -> list[str]:
+    lines = [
+        "| system | variant | evaluation | seed | training CPU min | Dice anterior | Dice posterior | mean | inference CPU s | commit, load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(flat, key=lambda r: (r["system"], r["train_cpu_s"], r["variant"], r["eval"])):
+        lines.append(
+            f"| {r['system']} | {r['variant']} | {r['eval']} | {r['seed']} | {r['train_cpu_s'] / 60:.1f} | "
+            f"{r['dice_Anterior']:.3f} | {r['dice_Posterior']:.3f} | {r['dice']:.3f} | {r['cpu_s']:.0f} | "
+            f"{r['commit']}, {r['load']:.1f} |"
+        )
+    return lines
+
+
+def checks(flat: list[dict]) -> list[str]:
+    ref = [r for r in flat if r["system"] == "medseg" and (r["variant"], r["eval"]) == REFERENCE]
+    nn = [r for r in flat if r["system"] == "nnunet"]
+    out = []
+    for n in nn:
+        within = [r for r in ref if r["train_cpu_s"] <= n["train_cpu_s"]]
+        best = max((r["dice"] for r in within), default=math.nan)
+        ok = best >= n["dice"]
+        out.append(
+            f"- equal CPU ({n['variant']}, {n['train_cpu_s'] / 60:.0f} CPU min): medseg {best:.3f} vs nnU-Net "
+            f"{n['dice']:.3f}: {'PASS' if ok else 'FAIL'}"
+        )
+    if nn:
+        top = max(nn, key=lambda r: r["dice"])
+        reached = [r["train_cpu_s"] for r in ref if r["dice"] >= top["dice"]]
+        ratio = min(reached) / top["train_cpu_s"] if reached else math.inf
+        out.append(
+            f"- nnU-Net's best ({top['dice']:.3f}) reached by medseg in {ratio:.2f}x its CPU "
+            f"(target <= 0.5): {'PASS' if ratio <= 0.5 else 'FAIL'}"
+        )
+    hour = [r for r in flat if r["system"] == "medseg" and r["train_cpu_s"] <= 3600]
+    met = [r for r in hour if all(r[k] >= v for k, v in PUBLISHED.items())]
+    best = max(hour, key=lambda r: r["dice"], default=None)
+    if best is not None:
+        out.append(
+            f"- within 60 CPU min, Dice >= 0.90 / 0.89: best {best['dice_Anterior']:.3f} / {best['dice_Posterior']:.3f} "
+            f"({best['variant']}, {best['eval']}, {best['train_cpu_s'] / 60:.0f} CPU min): {'PASS' if met else 'FAIL'}"
+        )
+    return out
+
+
+def plot(flat: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    series: dict[str, list[tuple[float, float]]] = {}
+    for r in flat:
+        key = f"{r['system']} {r['variant']} ({r['eval']})"
+        series.setdefault(key, []).append((r["train_cpu_s"] / 60, r["dice"]))
+    for key, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot(*zip(*pts), marker="o" if key.startswith("medseg") else "s", label=key)
+    ax.axhline(0.895, color="grey", linestyle=":", label="nnU-Net published (mean of 0.90, 0.89)")
+    ax.set_xlabel("training CPU minutes (user + system, 2 cores)")
+    ax.set_ylabel("mean held-out Dice (40 cases)")
+    ax.set_title("Task04_Hippocampus: Dice against CPU time")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(json_path: Path, markdown: Path | None, plot_path: Path | None) -> None:
+    flat = rows(json.loads(json_path.read_text())["results"])
+    text = "\n".join([*table(flat), "", "Targets:", "", *checks(flat)])
+    print(text)
+    if plot_path is not None:
+        plot(flat, plot_path)
+    if markdown is not None:
+        doc = markdown.read_text()
+        start, end = doc.find(MARK[0]), doc.find(MARK[1])
+        if start < 0 or end < 0:
+            raise SystemExit(f"{markdown}: no {MARK[0]} ... {MARK[1]} block to fill")
+        markdown.write_text(doc[: start + len(MARK[0])] + "\n" + text + "\n" + doc[end:])

@@ -1,0 +1,112 @@
+"""nnU-Net's recipe parts in medseg: augmentation, poly schedule, test-time mirroring, largest components.
+
+Each is checked against a closed form or an independent library (SciPy's component labelling), not
+against a second copy of the rule.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import ndimage
+
+from medseg.config import config_from_dict, with_infer_overrides
+from medseg.errors import ConfigError
+from medseg.inference.evaluate import evaluate
+from medseg.inference.predict import keep_largest_components
+from medseg.inference.segment import mirror_averaged
+from medseg.training import transforms as tf
+from medseg.training.build import build_scheduler
+from medseg.training.data import read_dataset
+from tests.conftest import tiny_seg_config
+
+
+def test_mirroring_averages_a_position_dependent_model_to_its_closed_form() -> None:
+    """f(x) = x * r with r_i = i along axis 0 (of n voxels): mirroring axis 0 gives
+    (x r + F(F(x) r)) / 2 = x (r + F(r)) / 2 = x (n - 1) / 2, where F flips axis 0."""
+    n = 7
+    ramp = torch.arange(n, dtype=torch.float32).view(1, 1, n, 1, 1)
+    x = torch.rand(2, 3, n, 5, 4)
+    out = mirror_averaged(lambda p: p * ramp, [0])(x)
+    torch.testing.assert_close(out, x * (n - 1) / 2)
+    # flips of the other axes leave this model's output as it is: the 8-flip mean is the same
+    torch.testing.assert_close(mirror_averaged(lambda p: p * ramp, [0, 1, 2])(x), x * (n - 1) / 2)
+    assert mirror_averaged(torch.sin, []) is torch.sin
+
+
+def test_keep_largest_matches_scipys_components() -> None:
+    rng = np.random.default_rng(0)
+    label = np.zeros((20, 20, 20), np.uint8)
+    label[2:8, 2:8, 2:8] = 1  # 216 voxels
+    label[12:14, 12:14, 12:14] = 1  # 8 voxels, apart
+    label[10:18, 2:6, 2:6] = 2
+    label[2:4, 15:17, 15:17] = 2
+    label[rng.random(label.shape) < 0.002] = 1  # isolated specks
+    kept = keep_largest_components(torch.as_tensor(label)[None], [1, 2])[0].numpy()
+    for c in (1, 2):
+        comps, n = ndimage.label(label == c, structure=np.ones((3, 3, 3)))
+        sizes = ndimage.sum(np.ones_like(comps), comps, range(1, n + 1))
+        largest = comps == 1 + int(np.argmax(sizes))
+        np.testing.assert_array_equal(kept == c, largest)
+    assert kept.dtype == np.uint8
+
+
+def test_poly_schedule_is_nnunets_closed_form(tmp_path: Path) -> None:
+    cfg = tiny_seg_config(tmp_path, tmp_path, scheduler="poly", epochs=10)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.train.lr)
+    sched = build_scheduler(cfg, opt)
+    seen = []
+    for _ in range(10):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    expected = [cfg.train.lr * (1 - e / 10) ** 0.9 for e in range(10)]
+    np.testing.assert_allclose(seen, expected, rtol=1e-6)
+
+
+def test_nnunet_augmentation_keeps_labels_and_patch(seg_data: Path, tmp_path: Path) -> None:
+    cfg = tiny_seg_config(seg_data, tmp_path)
+    cfg.transforms.augment_recipe = "nnunet"
+    chain = tf.seg_train(cfg)
+    chain.set_random_state(seed=1)
+    _, train_items, _ = read_dataset(cfg)
+    labels_in = set(np.unique(tf.seg_val(cfg)(train_items[0])["label"]))
+    changed = 0
+    for _ in range(4):
+        for sample in chain(train_items[0]):
+            assert tuple(sample["image"].shape[1:]) == tuple(cfg.transforms.patch)
+            assert tuple(sample["label"].shape[1:]) == tuple(cfg.transforms.patch)
+            assert set(np.unique(sample["label"])) <= labels_in  # nearest resampling: no new values
+            assert torch.isfinite(sample["image"]).all()
+            changed += 1
+    assert changed == 4 * cfg.transforms.num_samples
+
+
+def test_infer_overrides_only_change_inference(tmp_path: Path) -> None:
+    cfg = tiny_seg_config(tmp_path, tmp_path)
+    assert with_infer_overrides(cfg, ["infer.mirror=[0,1,2]", "infer.keep_largest=true"]).infer.mirror == [
+        0,
+        1,
+        2,
+    ]
+    with pytest.raises(ConfigError, match="only infer"):
+        with_infer_overrides(cfg, ["train.lr=1"])
+    with pytest.raises(ConfigError, match="infer.mirror"):
+        with_infer_overrides(cfg, ["infer.mirror=[0,3]"])
+    with pytest.raises(ConfigError, match="augment_recipe"):
+        config_from_dict(
+            {**cfg.to_dict(), "transforms": {**cfg.to_dict()["transforms"], "augment_recipe": "heavy"}}
+        )
+
+
+def test_evaluate_with_mirroring_and_largest_components(seg_run, seg_data: Path) -> None:
+    plain = evaluate(seg_run.run_dir, seg_data, progress=False)
+    both = evaluate(
+        seg_run.run_dir, seg_data, progress=False, infer=["infer.mirror=[0,1,2]", "infer.keep_largest=true"]
+    )
+    assert len(both["cases"]) == len(plain["cases"])
+    assert 0.0 <= both["summary"]["dice"] <= 1.0
+    assert both["summary"] != plain["summary"]  # the settings reached the model's run
