@@ -115,9 +115,9 @@ def evaluate_medseg(run: Path, held_dir: Path, log: Path) -> dict:
     return out
 
 
-def medseg_one(source: Path, work: Path, budget_min: float, seed: int, variant: str) -> dict:
+def medseg_one(source: Path, work: Path, budget_min: float, seed: int, variant: str, epochs: int | None) -> dict:
     split, train_dir, held_dir = folders(source, work, seed)
-    name = f"real-{variant}-{budget_min:g}min-s{seed}"
+    name = f"real-{variant}-{budget_min:g}min-s{seed}" + (f"-{epochs}ep" if epochs else "")
     cfg, log = work / f"real-plan-{budget_min:g}min.yaml", work / f"{name}.log"
     log.unlink(missing_ok=True)
     t0, ctx = time.time(), context()
@@ -129,11 +129,13 @@ def medseg_one(source: Path, work: Path, budget_min: float, seed: int, variant: 
     runs = ROOT / "runs"
     subprocess.run(["rm", "-rf", str(runs / name)], check=True)
     overrides = [f"name={name}", f"train.seed={seed}", *VARIANTS[variant]]
+    if epochs:
+        overrides += [f"train.epochs={epochs}", f"train.val_interval={max(1, epochs // 10)}"]
     train_cpu = cpu_run([str(MEDSEG), "train", "--config", str(cfg), "--no-progress", *overrides], log)
     wall = time.time() - t0
     evals = evaluate_medseg(runs / name, held_dir, log)
     return {
-        "system": "medseg", "variant": variant, "budget_cpu_min": budget_min, "seed": seed,
+        "system": "medseg", "variant": variant, "budget_cpu_min": budget_min, "seed": seed, "epochs": epochs,
         "plan_cpu_s": round(plan_cpu, 1), "train_cpu_s": round(train_cpu, 1), "wall_s": round(wall, 1),
         "eval": evals, "config": str(cfg), **ctx, "load_end": os.getloadavg()[0],
         "train_cases": len(split.train), "val_cases": len(split.val), "held_out": len(split.held_out),
@@ -196,6 +198,12 @@ def main() -> None:
     p.add_argument("--variants", default="planned", help=f"medseg: comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--trainers", default="nnUNetTrainer_1epoch", help="nnunet: shipped trainer classes")
     p.add_argument("--seeds", default="0")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        help="medseg: train this many epochs instead of the plan's (its steps come from --time-s's step-time "
+        "model, which probes cached under load overestimate); chosen from a run's measured CPU per epoch",
+    )
     p.add_argument("--markdown", type=Path)
     p.add_argument("--plot", type=Path)
     args = p.parse_args()
@@ -212,7 +220,7 @@ def main() -> None:
         for budget in (float(b) for b in args.budgets.split(",")):
             for variant in args.variants.split(","):
                 for seed in seeds:
-                    append(args.json, medseg_one(args.data, args.work, budget, seed, variant))
+                    append(args.json, medseg_one(args.data, args.work, budget, seed, variant, args.epochs))
     else:
         if not (NNUNET_BIN / "nnUNetv2_train").exists():
             sys.exit("nnU-Net v2 is not installed: run `make nnunet-deps` (its own venv, .venv-nnunet)")

@@ -27,24 +27,20 @@ def rows(results: list[dict]) -> list[dict]:
     out = []
     for r in results:
         for ev, d in r["eval"].items():
-            out.append(
-                {
-                    **{k: r[k] for k in ("system", "variant", "seed", "train_cpu_s", "commit", "load")},
-                    "eval": ev,
-                    **d,
-                }
-            )
+            keep = {k: r[k] for k in ("system", "variant", "seed", "train_cpu_s", "commit", "load")}
+            epochs = r.get("epochs") or ("plan's" if r["system"] == "medseg" else "1 x 250 it.")
+            out.append({**keep, "epochs": epochs, "eval": ev, **d})
     return out
 
 
 def table(flat: list[dict]) -> list[str]:
     lines = [
-        "| system | variant | evaluation | seed | training CPU min | Dice anterior | Dice posterior | mean | inference CPU s | commit, load |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| system | variant | epochs | evaluation | seed | training CPU min | Dice anterior | Dice posterior | mean | inference CPU s | commit, load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(flat, key=lambda r: (r["system"], r["train_cpu_s"], r["variant"], r["eval"])):
         lines.append(
-            f"| {r['system']} | {r['variant']} | {r['eval']} | {r['seed']} | {r['train_cpu_s'] / 60:.1f} | "
+            f"| {r['system']} | {r['variant']} | {r['epochs']} | {r['eval']} | {r['seed']} | {r['train_cpu_s'] / 60:.1f} | "
             f"{r['dice_Anterior']:.3f} | {r['dice_Posterior']:.3f} | {r['dice']:.3f} | {r['cpu_s']:.0f} | "
             f"{r['commit']}, {r['load']:.1f} |"
         )

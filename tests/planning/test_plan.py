@@ -282,3 +282,18 @@ def test_dynunet_plan_predicts_its_measured_peak(seg_data: Path) -> None:
     v = verify(p)
     assert v["within_budget"], format_verify(v)
     assert abs(v["error"]) <= 0.15, format_verify(v)
+
+
+def test_a_time_budget_without_steps_fills_with_steps(seg_data: Path) -> None:
+    """``--time-s`` without ``--steps``: once the patch is fitted, the steps fill TRAIN_SHARE of the
+    budget at the predicted step time (more than the default 1000 steps when the budget is long)."""
+    from medseg.planning.planner import plan
+    from medseg.planning.rules import DEFAULT_STEPS, TRAIN_SHARE
+
+    budget_s = 5000.0
+    p = plan(seg_data, memory_gb=0.02, device="cpu", time_s=budget_s, name="timed")
+    steps = int(p.comments["train.epochs"].split(" steps")[0])
+    assert steps == int(TRAIN_SHARE * budget_s / p.predicted_step_s)
+    assert steps > DEFAULT_STEPS["cpu"]
+    fixed = plan(seg_data, memory_gb=0.02, device="cpu", time_s=budget_s, steps=1000, name="fixed")
+    assert int(fixed.comments["train.epochs"].split(" steps")[0]) == 1000
