@@ -75,6 +75,16 @@ def _add_trust(s: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_infer_overrides(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="infer.key=value",
+        help="inference settings for this call, e.g. infer.mirror=[0,1,2] (test-time mirroring) "
+        "infer.keep_largest=true",
+    )
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """``medseg evaluate`` and ``medseg infer``."""
     s = subparsers.add_parser("evaluate", help="score a trained run in original geometry")
@@ -88,13 +98,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--no-progress", action="store_true")
     _add_trust(s)
-    s.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="infer.key=value",
-        help="inference settings for this call, e.g. infer.mirror=[0,1,2] (test-time mirroring) "
-        "infer.keep_largest=true",
-    )
+    _add_infer_overrides(s)
     s.set_defaults(func=_evaluate)
 
     s = subparsers.add_parser("infer", help="run a trained model on a NIfTI file or DICOM series folder")
@@ -115,11 +119,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "labels, less memory; default 134217728 = 512x512x512, or MEDSEG_STREAM_VOXELS; 0 streams always)",
     )
     _add_trust(s)
-    s.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="infer.key=value",
-        help="inference settings for this call, e.g. infer.mirror=[0,1,2] (test-time mirroring) "
-        "infer.keep_largest=true",
-    )
+    _add_infer_overrides(s)
     s.set_defaults(func=_infer)
