@@ -115,7 +115,9 @@ def evaluate_medseg(run: Path, held_dir: Path, log: Path) -> dict:
     return out
 
 
-def medseg_one(source: Path, work: Path, budget_min: float, seed: int, variant: str, epochs: int | None) -> dict:
+def medseg_one(
+    source: Path, work: Path, budget_min: float, seed: int, variant: str, epochs: int | None
+) -> dict:
     split, train_dir, held_dir = folders(source, work, seed)
     name = f"real-{variant}-{budget_min:g}min-s{seed}" + (f"-{epochs}ep" if epochs else "")
     cfg, log = work / f"real-plan-{budget_min:g}min.yaml", work / f"{name}.log"

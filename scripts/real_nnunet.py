@@ -22,7 +22,7 @@ import resource
 import subprocess
 from pathlib import Path
 
-from real_split import Split
+from real_split import Split, link
 
 DATASET_ID = 4
 DATASET_NAME = f"Dataset{DATASET_ID:03d}_Hippocampus"
@@ -59,10 +59,10 @@ def write_raw(
     for sub in ("imagesTr", "labelsTr", "imagesTs"):
         (raw / sub).mkdir(parents=True, exist_ok=True)
     for cid in split.train + split.val:
-        _link(raw / "imagesTr" / f"{cid}_0000.nii.gz", source_info[cid]["image"])
-        _link(raw / "labelsTr" / f"{cid}.nii.gz", source_info[cid]["label"])
+        link(raw / "imagesTr" / f"{cid}_0000.nii.gz", source_info[cid]["image"])
+        link(raw / "labelsTr" / f"{cid}.nii.gz", source_info[cid]["label"])
     for cid in split.held_out:
-        _link(raw / "imagesTs" / f"{cid}_0000.nii.gz", source_info[cid]["image"])
+        link(raw / "imagesTs" / f"{cid}_0000.nii.gz", source_info[cid]["image"])
     meta = {
         "channel_names": {"0": "MRI"},
         "labels": {name: value for value, name in sorted(labels.items())},
@@ -71,11 +71,6 @@ def write_raw(
     }
     (raw / "dataset.json").write_text(json.dumps(meta, indent=1))
     return raw
-
-
-def _link(link: Path, target: str) -> None:
-    if not link.exists():
-        link.symlink_to(Path(target).resolve())
 
 
 def write_splits(split: Split, work: Path) -> None:

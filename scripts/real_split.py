@@ -47,6 +47,12 @@ def make_split(source: Path, held_out: int, seed: int, val_fraction: float = 0.2
     )
 
 
+def link(path: Path, target: str | Path) -> None:
+    """``path`` as a symbolic link to ``target`` (resolved), unless it exists already."""
+    if not path.exists():
+        path.symlink_to(Path(target).resolve())
+
+
 def link_folder(source: Path, out: Path, ids: list[str]) -> Path:
     """A Decathlon-layout folder at ``out`` whose cases are links to ``source``'s files ``ids``."""
     info = load_dataset(source)
@@ -56,9 +62,7 @@ def link_folder(source: Path, out: Path, ids: list[str]) -> Path:
     training = []
     for cid in ids:
         for key, sub in (("image", "imagesTr"), ("label", "labelsTr")):
-            link = out / sub / f"{cid}.nii.gz"
-            if not link.exists():
-                link.symlink_to(Path(by_id[cid][key]).resolve())
+            link(out / sub / f"{cid}.nii.gz", by_id[cid][key])
         training.append({"image": f"./imagesTr/{cid}.nii.gz", "label": f"./labelsTr/{cid}.nii.gz"})
     raw = json.loads((source / "dataset.json").read_text())
     raw.update(training=training, numTraining=len(training), test=[], numTest=0)
