@@ -208,32 +208,39 @@ class _Jobs:
 
     def job(self, tb: Any, name: str, runs_dir: Path, seed: int) -> dict[str, Any]:
         """One training job of config ``name``, launched over the testbed's hosts; its figures."""
-        from medseg.distributed.launch.launcher import launch
-
         dist = CONFIGS[name]
         cfg = config_from_dict(
             job_config(name, dist, self.data_dir, runs_dir, self.epochs, seed, self.target)
         )
-        path = runs_dir / f"{name}.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(cfg.run_dir, ignore_errors=True)
-        path.write_text(yaml.safe_dump(cfg.to_dict()))
-        saved = dict(os.environ)
-        os.environ.update(tb.launcher_env())
-        before = tb.wan_counters()
-        t0 = time.time()
-        try:
-            launch(cfg, path, [], 4, tb.hosts_arg(), resume=False)
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        job_s = time.time() - t0
-        after = tb.wan_counters()
-        records = read_metrics(cfg.run_dir / "metrics.jsonl")
-        ranks = rank_records(cfg.run_dir)
-        return job_figures(
-            records, ranks, t0, job_s, (before, after), self.epochs, self.target, dist, tunnel=tb.secure
-        )
+        run = launch_job(tb, cfg, runs_dir / f"{name}.yaml", tb.hosts_arg())
+        return job_figures(*run, self.epochs, self.target, dist, tunnel=tb.secure)
+
+
+def launch_job(
+    tb: Any, cfg: Any, path: Path, hosts: str
+) -> tuple[list[dict], dict[int, list[dict]], float, float, tuple[dict, dict]]:
+    """Train ``cfg`` (written to ``path``) over the testbed's sites, ranks as ``hosts`` says; return
+    rank 0's epoch records, every rank's records, the launch time, the job's wall seconds and the
+    relay's WAN counters before and after (:func:`~medseg.bench.sites_figures.job_figures`' inputs)."""
+    from medseg.distributed.launch.launcher import launch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    saved = dict(os.environ)
+    os.environ.update(tb.launcher_env())
+    before = tb.wan_counters()
+    t0 = time.time()
+    np = sum(int(h.rpartition(":")[2]) for h in hosts.split(","))
+    try:
+        launch(cfg, path, [], np, hosts, resume=False)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    job_s = time.time() - t0
+    after = tb.wan_counters()
+    records = read_metrics(cfg.run_dir / "metrics.jsonl")
+    return records, rank_records(cfg.run_dir), t0, job_s, (before, after)
 
 
 def check_targets(result: dict[str, Any]) -> list[Target]:

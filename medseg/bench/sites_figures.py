@@ -126,7 +126,7 @@ def job_figures(
             k: round(sum(r["dist_rank_time"][i][k] for r in records), 2)
             for k in ("compute_s", "site_s", "wan_wait_s", "wall_s")
         }
-        for i in range(4)
+        for i in range(len(records[0]["dist_rank_time"]))
     ]
     return {
         "time_to_dice_s": reached[0] if reached else None,

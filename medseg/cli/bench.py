@@ -1,4 +1,4 @@
-"""``medseg bench``: the sites, memory and inference benchmarks, each ending in a JSON report."""
+"""``medseg bench``: the sites, real-sites, memory and inference benchmarks, each ending in a JSON report."""
 
 from __future__ import annotations
 
@@ -57,6 +57,20 @@ def _sites(args: argparse.Namespace) -> None:
         configs=args.configs.split(",") if args.configs else None,
         reuse=_read_json(args.reuse, "--reuse") if args.reuse else None,
         secure=args.secure,
+    )
+    _report(result, args, write_report, format_table, check_targets)
+
+
+def _real_sites(args: argparse.Namespace) -> None:
+    from medseg.bench.real_sites import bench_real_sites
+    from medseg.bench.real_sites_report import check_targets, format_table, write_report
+
+    result = bench_real_sites(
+        args.workdir,
+        args.data,
+        seeds=args.seeds,
+        configs=args.configs.split(",") if args.configs else None,
+        gpu_step_s=args.gpu_step_s,
     )
     _report(result, args, write_report, format_table, check_targets)
 
@@ -155,6 +169,35 @@ def _add_sites(bench: argparse._SubParsersAction) -> None:
     s.set_defaults(func=_sites)
 
 
+def _add_real_sites(bench: argparse._SubParsersAction) -> None:
+    from medseg.bench.real_sites import CONFIGS, GPU_STEP_S
+
+    s = bench.add_parser(
+        "real-sites",
+        help="real MR across three unlike sites, links dilated to a GPU's cost, gssp against the peers; root only",
+    )
+    s.add_argument(
+        "--data", type=Path, required=True, help="a Decathlon-layout dataset (e.g. Task04_Hippocampus)"
+    )
+    s.add_argument("--json", type=Path, required=True, help="write the results here")
+    s.add_argument("--markdown", type=Path, help="update this markdown file's real-sites section")
+    s.add_argument("--seeds", type=int, default=3, help="seeds per config (default 3)")
+    s.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIGS)} (bsp-hier is required)")
+    s.add_argument(
+        "--gpu-step-s",
+        type=float,
+        default=GPU_STEP_S,
+        help=f"a GPU site's seconds per step of the planned model (default {GPU_STEP_S}, assumed): sets the dilation",
+    )
+    s.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("runs/bench-real-sites"),
+        help="site folders and runs of the benchmark",
+    )
+    s.set_defaults(func=_real_sites)
+
+
 def _add_memory(bench: argparse._SubParsersAction) -> None:
     s = bench.add_parser(
         "memory", help="fused kernels vs baseline, checkpointing and torch.compile: memory and time"
@@ -232,5 +275,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         dest="bench_command", required=True
     )
     _add_sites(bench)
+    _add_real_sites(bench)
     _add_memory(bench)
     _add_infer(bench)

@@ -1,0 +1,300 @@
+"""``medseg bench real-sites``: real MR between three unlike hospitals, at a GPU's cost of the link.
+
+Setting, every part measured or stated:
+
+- **Data.** A Decathlon-layout dataset (the Medical Segmentation Decathlon's Task04_Hippocampus)
+  dealt by :func:`medseg.datasets.site_split.split_sites` to sites a/b/c with 90/60/50 cases, each
+  keeping :data:`HELD_OUT` cases it never trains or selects on; the cases stored as uint8 (another
+  scanner's export) all go to site c. Data stays in its site (``sites:``); each site's leader
+  validates on its own validation cases (a fifth of its training folder) after every epoch, and
+  the epoch's Dice is the case-weighted mean over the sites.
+- **Model and patch**: what ``medseg plan`` (its defaults, CPU) chose on the pooled training
+  folders (:data:`PLAN`); the same for every config.
+- **Sites and links.** a:2, b:1, c:1 ranks at 0.45/0.4/0.3 core per rank (cgroup quotas, one torch
+  thread each); each site's own link to the router, nominally a=100 Mbit/s 5 ms, b=20 Mbit/s 25 ms,
+  c=10 Mbit/s 40 ms one-way (:data:`LINKS`).
+- **Time dilation** (Gupta et al., "DieCast", NSDI 2007). A site here computes a step in t_cpu
+  seconds; a GPU would take t_gpu. Running every link at rate/k and delay·k with
+
+      k = t_cpu / t_gpu,   t_cpu = (one step's seconds on one idle core) / (slowest site's quota)
+
+  keeps a GPU site's ratio of communication to compute on this CPU. t_gpu is :data:`GPU_STEP_S`
+  (``--gpu-step-s``; see its comment for where it comes from). The report prints the ratio that
+  results, measured: bsp-hier's waiting on other sites per step over its compute per step.
+- **Configs** (:data:`CONFIGS`): the peers bsp-hier, fedavg and diloco, and gssp, gssp-fixed4,
+  gssp-topk1, all on medseg's channel, with the same data, model, optimiser, seeds and epochs.
+- **bsp-hier on the dilated WAN** is exact synchronous SGD: its Dice after a given number of
+  steps does not depend on the link, only its time does. Each of its steps crosses the WAN, so a
+  full run there would take hours; it runs in full on the no-WAN control (``hippo3-lan``), and on
+  the dilated WAN as a probe job (:data:`PROBE_CASES` cases per site, :data:`PROBE_EPOCHS`
+  epochs) that measures its time per step. Its time to Dice on the WAN is then *estimated* as the
+  control's time from launch plus the control's steps to Dice times the extra seconds per step the
+  probe measured; the report marks it as an estimate.
+
+Figures per config and seed (:mod:`medseg.bench.sites_figures`): time to the Dice target from the
+launch (the primary figure) and in training time, validation Dice after the equal epochs, held-out
+Dice per site after training (the bundle's checkpoint, selected on validation), WAN bytes counted
+by the relay, time per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from medseg.bench.sites import launch_job
+from medseg.bench.sites_figures import aggregate, job_figures
+from medseg.config import config_from_dict
+from medseg.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SITES = "a:2,b:1,c:1"
+CPU = {"a": 0.45, "b": 0.4, "c": 0.3}  # cores per rank
+COUNTS = {"a": 90, "b": 60, "c": 50}
+HELD_OUT = 10  # cases per site never trained or selected on
+STORED_AS = ("uint8", "c")  # the uint8-stored cases (another scanner's export) all at site c
+LINKS = {"a": "100mbit:5ms", "b": "20mbit:25ms", "c": "10mbit:40ms"}  # nominal, before dilation
+# A GPU site's step of the planned model (a 0.14 M-parameter, 3-level MONAI UNet on 2 x 24x40x32
+# patches), an assumption, not a measurement (no GPU here): its arithmetic, about 1 GFLOP, takes
+# well under a millisecond on a data-centre GPU; a profiled step makes about 1,500 aten calls
+# (forward, Dice-CE, backward, AdamW), a few hundred CUDA kernels at several microseconds each;
+# and MONAI's loading, cropping and augmenting of the step's two patches on the host, which a
+# GPU does not speed up, takes tens of milliseconds per step. 40 ms is taken. A lent GPU's
+# measurement replaces it (--gpu-step-s); a faster GPU step means a larger k: slower, longer links
+# (at 10 ms the round trip between b and c is seconds and a run takes hours).
+GPU_STEP_S = 0.04
+# What `medseg plan` (defaults, cpu) chose for the pooled training cases of the three sites on an
+# idle machine (2026-12-03): z-score, 1 mm, patch 24x40x32 x 2 samples, a 3-level UNet of 0.14 M
+# parameters, AdamW at 0.003, 8 epochs. Kept fixed here: the planner sizes the plan by the compute
+# it measures at the time, so on a loaded machine it may choose another network, and every
+# invocation of the benchmark must train the same one.
+PLAN: dict[str, Any] = {
+    "task": "segmentation",
+    "transforms": {
+        "spacing": [1.0, 1.0, 1.0],
+        "normalize": {"scheme": "zscore"},
+        "patch": [24, 40, 32],
+        "num_samples": 2,
+    },
+    "model": {"name": "unet", "channels": [16, 32, 64], "strides": [2, 2], "num_res_units": 1},
+    "train": {"device": "cpu", "epochs": 8, "batch_size": 1, "lr": 0.003, "seed": 0, "val_interval": 1},
+    "infer": {"sw_batch_size": 4},
+}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "bsp-hier": {"sync": "bsp-hier"},
+    "fedavg": {"sync": "fedavg", "local_epochs": 1},
+    "diloco": {"sync": "diloco", "inner_steps": 500, "outer_lr": 0.7, "outer_momentum": 0.9},
+    "gssp": {"sync": "gssp", "staleness": 2},
+    "gssp-fixed4": {"sync": "gssp", "staleness": 2, "compression": "fixed", "bits": 4},
+    "gssp-topk1": {"sync": "gssp", "staleness": 2, "compression": "topk", "topk_fraction": 0.01},
+}
+PEERS = ("bsp-hier", "fedavg", "diloco")
+GSSP = ("gssp", "gssp-fixed4", "gssp-topk1")
+DICE_TARGET = 0.85  # mean per-site validation Dice
+EPOCHS = 8  # equal epochs for every config (the planner's), then on to the target
+MAX_EPOCHS = 16
+PROBE_CASES, PROBE_EPOCHS = 4, 1
+TIMEOUT_S = 900.0  # a rank silent this long is hung: a dilated round may take minutes
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What every job of one invocation shares."""
+
+    workdir: Path
+    sites: dict[str, dict[str, str]]  # site -> {"train": dir, "test": dir, "probe": dir}
+    plan: dict[str, Any]  # the planned config (model, transforms, optimiser)
+    cpu_step_s: float  # measured seconds of one training step on one idle core
+    k: float  # time dilation factor
+    seeds: int
+
+
+def prepare(workdir: Path, data: Path, seeds: int, gpu_step_s: float) -> Setting:
+    """Deal ``data`` to the sites, plan on the pooled training cases, and fix the dilation."""
+    from medseg.datasets.decathlon import load_dataset
+    from medseg.datasets.site_split import split_sites
+
+    made = split_sites(data, workdir / "sites", COUNTS, HELD_OUT, STORED_AS, seed=0)
+    pooled = _pooled_folder(workdir / "sites" / "pooled", [made[s]["train"] for s in COUNTS])
+    planned = {
+        **json.loads(json.dumps(PLAN)),
+        "data": {"dir": str(pooled), "val_fraction": 0.2, "cache": "memory"},
+    }
+    cpu_step_s = measure_cpu_step(planned, len(load_dataset(pooled).labels))
+    sites = {
+        s: {
+            "train": str(made[s]["train"]),
+            "test": str(made[s]["test"]),
+            "probe": str(_probe_folder(made[s]["train"], workdir / "sites" / f"{s}-probe")),
+        }
+        for s in COUNTS
+    }
+    k = cpu_step_s / min(CPU.values()) / gpu_step_s
+    return Setting(workdir, sites, planned, cpu_step_s, k, seeds)
+
+
+def measure_cpu_step(config: dict[str, Any], classes: int, steps: int = 10) -> float:
+    """Seconds of one training step (forward, Dice-CE, backward, AdamW) of the planned network at
+    the planned patch and batch, on one thread of an idle core (:mod:`medseg.kernels.measure`, in
+    its own process)."""
+    from medseg.models import network_def
+    from medseg.planning.memory_model import run_measure
+
+    cfg = config_from_dict(config)
+    batch = cfg.train.batch_size * cfg.transforms.num_samples
+    res = run_measure(
+        network_def(cfg, classes), cfg.transforms.patch, batch, "baseline", "cpu", classes, steps
+    )
+    return float(res["step_s"])
+
+
+def _pooled_folder(out: Path, folders: list[Path]) -> Path:
+    """A dataset.json naming every site's training cases (what ``medseg plan`` reads; no copies)."""
+    docs = [json.loads((f / "dataset.json").read_text()) for f in folders]
+    pooled = dict(docs[0], name="pooled", training=[c for d in docs for c in d["training"]])
+    pooled["numTraining"] = len(pooled["training"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dataset.json").write_text(json.dumps(pooled, indent=1))
+    return out
+
+
+def _probe_folder(train: Path, out: Path) -> Path:
+    """The first :data:`PROBE_CASES` training cases of a site: the bsp-hier probe job's data."""
+    doc = json.loads((train / "dataset.json").read_text())
+    doc["training"] = doc["training"][:PROBE_CASES]
+    doc["numTraining"] = len(doc["training"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dataset.json").write_text(json.dumps(doc, indent=1))
+    return out
+
+
+def network(k: float) -> Any:
+    """Every site's nominal link, dilated by ``k`` (rate / k, delay x k)."""
+    from medseg.distributed.testbed.spec import Network, dilate, parse_wan
+
+    return Network(parse_wan("none"), tuple((s, dilate(parse_wan(LINKS[s]), k)) for s in COUNTS))
+
+
+def job_config(
+    setting: Setting, name: str, dist: dict[str, Any], seed: int, hosts: dict[str, str], probe: bool = False
+) -> dict[str, Any]:
+    """The planned config with this config's ``dist``, the sites' own folders and the benchmark's
+    epochs (``probe``: the small bsp-hier probe, :data:`PROBE_EPOCHS` epochs, no target)."""
+    cfg = json.loads(json.dumps(setting.plan))
+    cfg["name"] = name
+    cfg["runs_dir"] = str(setting.workdir / "runs" / f"seed{seed}")
+    cfg["sites"] = {
+        s: {"dir": d["probe" if probe else "train"], "host": hosts[s]} for s, d in setting.sites.items()
+    }
+    cfg["train"].update(
+        seed=seed,
+        threads=1,
+        epochs=PROBE_EPOCHS if probe else MAX_EPOCHS,
+        min_epochs=PROBE_EPOCHS if probe else EPOCHS,
+        stop_at=0.0 if probe else DICE_TARGET,
+    )
+    cfg["dist"] = {"timeout_s": TIMEOUT_S, "profile_steps": 5, **dist}
+    return cfg
+
+
+def held_out_dice(run_dir: Path, setting: Setting) -> dict[str, float | None]:
+    """Each site's held-out Dice (mean of its labels, mean over its cases) and their mean, scored
+    with the run's bundle (its checkpoint selected on validation)."""
+    from medseg.inference.evaluate import evaluate_sites
+
+    res = evaluate_sites(run_dir, [(s, Path(d["test"])) for s, d in setting.sites.items()], progress=False)
+    per = {s: r.get("dice") for s, r in res["sites"].items()}
+    vals = [v for v in per.values() if v is not None]
+    return {**per, "mean": sum(vals) / len(vals) if vals else None}
+
+
+def run_config(tb: Any, setting: Setting, name: str, seed: int, probe: bool = False) -> dict[str, Any]:
+    """One job of config ``name`` over the testbed; its figures and its held-out Dice."""
+    hosts = {s.name: s.job_ip for s in tb.sites}
+    raw = job_config(setting, f"{name}-probe" if probe else name, CONFIGS[name], seed, hosts, probe)
+    cfg = config_from_dict(raw)
+    run = launch_job(tb, cfg, Path(raw["runs_dir"]) / f"{raw['name']}.yaml", SITES)
+    epochs = PROBE_EPOCHS if probe else EPOCHS
+    fig = job_figures(*run, epochs, 2.0 if probe else DICE_TARGET, CONFIGS[name])
+    if not probe:
+        fig["held_out"] = held_out_dice(cfg.run_dir, setting)
+    return fig
+
+
+def bench_real_sites(
+    workdir: Path,
+    data: Path,
+    seeds: int = 3,
+    configs: list[str] | None = None,
+    gpu_step_s: float = GPU_STEP_S,
+) -> dict[str, Any]:
+    """The whole benchmark in one invocation: the no-WAN control (bsp-hier), then the dilated WAN
+    (the bsp-hier probe and every config), ``seeds`` seeds each."""
+    import os
+
+    from medseg.distributed.testbed.testbed import testbed
+
+    configs = list(configs or CONFIGS)
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or "bsp-hier" not in configs:
+        raise ConfigError(
+            f"bench real-sites: configs {unknown} unknown or bsp-hier missing (the reference); configs {list(CONFIGS)}"
+        )
+    if gpu_step_s <= 0:
+        raise ConfigError(f"--gpu-step-s must be > 0 (got {gpu_step_s})")
+    out: dict[str, Any] = {"seeds": seeds, "load_start": os.getloadavg(), "started": time.time()}
+    setting = prepare(workdir, data, seeds, gpu_step_s)
+    net = network(setting.k)
+    out["setting"] = _setting_record(setting, gpu_step_s, net)
+    out["lan"] = {}
+    with testbed(sites=SITES, wan="none", cpu=CPU) as tb:
+        out["lan"]["bsp-hier"] = _seeds(tb, setting, "bsp-hier")
+    out["wan"] = {}
+    with testbed(sites=SITES, wan=net, cpu=CPU, probe=False) as tb:
+        out["probe"] = tb.probe_pairs(check=True)
+        out["bsp_hier_probe"] = run_config(tb, setting, "bsp-hier", 0, probe=True)
+        for name in configs:
+            if name != "bsp-hier":
+                out["wan"][name] = _seeds(tb, setting, name)
+    out["load_end"] = os.getloadavg()
+    out["wall_s"] = time.time() - out["started"]
+    return out
+
+
+def _seeds(tb: Any, setting: Setting, name: str) -> dict[str, Any]:
+    runs = []
+    for seed in range(setting.seeds):
+        log.info("bench real-sites: %s seed %d", name, seed)
+        runs.append(run_config(tb, setting, name, seed))
+    agg = aggregate(runs)
+    held = [r["held_out"]["mean"] for r in runs]
+    agg["held_out_mean"] = sum(held) / len(held) if None not in held else None
+    agg["held_out_spread"] = [min(held), max(held)] if None not in held else None
+    return agg
+
+
+def _setting_record(setting: Setting, gpu_step_s: float, net: Any) -> dict[str, Any]:
+    m = setting.plan["model"]
+    return {
+        "sites": SITES,
+        "cpu_per_rank": CPU,
+        "counts": COUNTS,
+        "held_out": HELD_OUT,
+        "links_nominal": LINKS,
+        "links_dilated": str(net),
+        "cpu_step_s": setting.cpu_step_s,
+        "gpu_step_s": gpu_step_s,
+        "k": setting.k,
+        "model": f"{m['name']} channels {m.get('channels')} strides {m.get('strides')}",
+        "patch": setting.plan["transforms"]["patch"],
+        "lr": setting.plan["train"]["lr"],
+        "epochs": EPOCHS,
+        "max_epochs": MAX_EPOCHS,
+        "dice_target": DICE_TARGET,
+        "configs": {n: CONFIGS[n] for n in CONFIGS},
+    }
