@@ -156,6 +156,7 @@ def format_table(result: dict[str, Any]) -> str:
         "held-out Dice, mean of sites",
         "held-out a / b / c",
         "epochs run",
+        "samples trained, all ranks",
         "WAN payload (MB)",
     ]
     lines = table_head(cols, "l" * len(cols))
@@ -176,6 +177,7 @@ def format_table(result: dict[str, Any]) -> str:
                 _spread(c, "held_out_mean", ".3f"),
                 " / ".join(f"{v:.3f}" for v in per),
                 c["epochs"],
+                f"{c['samples_per_s'] * c['job_s']:.0f}",
                 "-" if where == "no WAN" else f"{c['wan_payload_measured'] / 1e6:.1f}",
             )
         )
@@ -190,6 +192,7 @@ def format_table(result: dict[str, Any]) -> str:
             "-",
             "as no WAN",
             "as no WAN",
+            "-",
             "-",
             "-",
             pay,
