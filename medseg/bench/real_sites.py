@@ -46,8 +46,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from medseg.bench.sites import launch_job
-from medseg.bench.sites_figures import aggregate, job_figures
 from medseg.config import config_from_dict
 from medseg.errors import ConfigError
 
@@ -215,6 +213,9 @@ def held_out_dice(run_dir: Path, setting: Setting) -> dict[str, float | None]:
 
 def run_config(tb: Any, setting: Setting, name: str, seed: int, probe: bool = False) -> dict[str, Any]:
     """One job of config ``name`` over the testbed; its figures and its held-out Dice."""
+    from medseg.bench.sites import launch_job
+    from medseg.bench.sites_figures import job_figures
+
     hosts = {s.name: s.job_ip for s in tb.sites}
     raw = job_config(setting, f"{name}-probe" if probe else name, CONFIGS[name], seed, hosts, probe)
     cfg = config_from_dict(raw)
@@ -267,6 +268,8 @@ def bench_real_sites(
 
 
 def _seeds(tb: Any, setting: Setting, name: str) -> dict[str, Any]:
+    from medseg.bench.sites_figures import aggregate
+
     runs = []
     for seed in range(setting.seeds):
         log.info("bench real-sites: %s seed %d", name, seed)
