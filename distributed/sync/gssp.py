@@ -140,10 +140,13 @@ class GroupStale(SyncedOptimizer):
 
            u = S(r) − Δ_g(r);   w ← w + u;   a ← a + u.
 
-    5. At the end of an epoch every pending round is applied and all ranks average w and the float
-       buffers with the rounds' weights, x ← Σ_h c_h x_h
-       (:func:`~medseg.distributed.sync.common.average_model`), so every rank starts the next epoch
-       (and validates) with one model.
+    5. At the end of an epoch every pending round is applied and every rank sets w to the
+       consensus z = a_0 + Σ_r S(r) (a_0 the epoch's common start), which it has summed from the
+       same S(r) in the same order, so every rank starts the next epoch (and validates) with the same
+       w, bit for bit, and no parameter crosses the WAN. Only the float buffers (BatchNorm's running
+       statistics) are averaged with the rounds' weights, x ← Σ_h c_h x_h
+       (:func:`~medseg.distributed.sync.common.average_model`); with DC-ASGD (below) the groups hold
+       no common consensus, and w is averaged with them.
 
     Consensus is exact at any staleness. Once group g has applied every round up to r,
 
@@ -151,7 +154,12 @@ class GroupStale(SyncedOptimizer):
 
     so two groups differ only by the rounds they have not both applied yet, and after the epoch's
     last round every group holds a_0 + Σ_r S(r): the sample-weighted consensus, as in local SGD,
-    which an epoch of G groups moves as far as bsp's epoch moves one. Adding the other groups' full
+    which an epoch of G groups moves as far as bsp's epoch moves one. With coded rounds (below) Δ_g
+    is what the round carried, and w_g = z + e_g − e_g⁰ where e_g is the group's error-feedback
+    residual (e_g⁰ at the epoch's start). Setting w ← z at the epoch's end leaves the part not yet
+    sent in e_g alone, to be sent by the next round, as error feedback (Seide et al., 2014; Karimireddy
+    et al., 2019) intends; averaging the w_g instead would also apply Σ_h c_h (e_h − e_h⁰) to the
+    model while e_h still holds it, counting it twice. Adding the other groups' full
     changes instead (u = Σ_h Δ_h − Δ_g, asynchronous SGD's rule) would move the model G times as far
     in the direction all groups share. Stale contributions are not damped: a damping factor that
     depends on the receiver's τ (the staleness-dependent rate η/τ of Zhang et al., IJCAI 2016, which
@@ -201,7 +209,8 @@ class GroupStale(SyncedOptimizer):
 
     Bytes: a leader sends (G − 1)·4n bytes per float32 round (ring allgather; a ring allreduce of
     the sum would send 2(G − 1)/G·4n, the same for two groups, but would not show which site sent
-    what), (G − 1)·(the codec's fixed message length) with codes or top-k.
+    what), (G − 1)·(the codec's fixed message length) with codes or top-k. An epoch's end sends only
+    the float buffers (none for instance norm), plus w itself with DC-ASGD.
 
     With one group and s = 0, gssp reduces to synchronous data parallelism: nothing is received
     from other groups (S − Δ_g = 0) and the parameters equal bsp's
@@ -276,6 +285,7 @@ class GroupStale(SyncedOptimizer):
         self.local_steps = 0
         self.rounds = 0  # rounds submitted by this group
         self.anchor = flat(self.params).clone()
+        self.consensus = self.anchor.clone()  # z = a_0 + Σ of the S(r) applied this epoch
         self.pending: collections.deque[_Round] = collections.deque()
         self.layer_sizes = [p.numel() for p in self.params]
         self.coded = round_codec(compression, self.layer_sizes, bits, topk_fraction, topk_bits)
@@ -283,9 +293,9 @@ class GroupStale(SyncedOptimizer):
         self.group_index = channel.groups.index(channel.group)
         self.sources = [channel.describe(g[0]) for g in channel.groups]
         self.round_guard = UpdateGuard("cross-site round")
-        self.average_check = AverageCheck(
-            channel, self.params + self.buffers, "part of the epoch-end average"
-        )
+        # with DC-ASGD the groups hold no common consensus: w is averaged with the buffers
+        self.averaged = (self.params if dc_lambda else []) + self.buffers
+        self.average_check = AverageCheck(channel, self.averaged, "part of the epoch-end average")
 
     # -- per step -------------------------------------------------------------------------------
     def step(self) -> None:
@@ -395,6 +405,7 @@ class GroupStale(SyncedOptimizer):
 
     def _apply(self, e: _Round, boundary: int) -> None:
         mean = self._received(e)
+        self.consensus += mean
         tau = self.rounds - 1 - e.r
         if self.dc_lambda and e.w_then is not None:
             lr = float(self.base.param_groups[0]["lr"])
@@ -410,16 +421,23 @@ class GroupStale(SyncedOptimizer):
         self.events.append(("apply", boundary, e.r, tau))
 
     def end_epoch(self) -> None:
-        self.local_steps = 0  # an epoch holds whole rounds; the period may change for the next one
+        unsent, self.local_steps = self.local_steps % self.period, 0  # the period may change next epoch
         if self.single_group:
             if self.group_size > 1:
                 average_model(self.channel, self.buffers + self.local_buffers, self.stats)
             return
+        if unsent:
+            # w ← z would drop these steps: the epoch's share (groups.static_share, site_data.site_share)
+            # gives every group whole rounds, so this is a caller's error, not a site's
+            raise RuntimeError(f"gssp: the epoch ended {unsent} steps into a round of {self.period}")
         self._apply_due(final=True)
-        average_model(self.channel, self.params + self.buffers, self.stats, self.average_check, self.weights)
+        if not self.dc_lambda:
+            assign(self.params, self.consensus)
+        average_model(self.channel, self.averaged, self.stats, self.average_check, self.weights)
         site_average(self.channel, self.local_buffers)
         self.events.append(("average", self.rounds - 1))
         self.anchor = flat(self.params).clone()
+        self.consensus = self.anchor.clone()
 
     def sync_state(self) -> dict[str, Any]:
         # Groups step their own optimizers: each rank's moments differ from rank 0's, so they travel too.
@@ -442,3 +460,4 @@ class GroupStale(SyncedOptimizer):
         if self.average.fixed is not None and state.get("grad"):
             self.average.fixed.load_state_dict(state["grad"])
         self.anchor = flat(self.params).clone()
+        self.consensus = self.anchor.clone()

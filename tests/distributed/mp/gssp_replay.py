@@ -7,8 +7,10 @@ Run: horovodrun -np 2 -H localhost:2 --gloo python tests/distributed/mp/gssp_rep
    4-bit codes and top-k rounds (a tenth of each layer, error feedback). Every engine logs the rounds it submitted and applied (with
    the staleness it used). Rank 0 then replays both groups in one process: the same batches, the
    same optimizer, the rounds applied in the logged order with the logged staleness (each group
-   moving to the rounds' sample-weighted mean change, weights 2/3 and 1/3), and the
-   epoch-end average. The replay must land on the engines' parameters and BatchNorm buffers
+   moving to the rounds' sample-weighted mean change, weights 2/3 and 1/3), and the epoch's end:
+   parameters set to a_0 + Σ_r S(r), the sum of the rounds' mean changes (with codes, what the
+   rounds carried; the residual stays behind), BatchNorm buffers averaged with the weights. The
+   replay must land on the engines' parameters and BatchNorm buffers
    within 1e-6, some round must have been stale (τ > 0), and no τ may exceed s.
 2. Exact consensus, checked against a rule-free reference: staleness bound s = 2, rounds of 3 and
    1 steps, the slow rank slowed far enough that rounds are *forced* (τ = 2). Each engine's own
@@ -83,6 +85,7 @@ class GroupReplay:
         self.params = list(self.model.parameters())
         self.data = batches(g, n_steps)
         self.anchor = flat(self.params).clone()
+        self.consensus = self.anchor.clone()  # a_0 + Σ of the rounds' mean changes applied
         self.own: dict[int, torch.Tensor] = {}
         self.sizes = [p.numel() for p in self.params]
         self.coded = round_codec(compression, self.sizes, 4, TOPK)
@@ -112,6 +115,7 @@ class GroupReplay:
                     return moved
                 # every group moves to the sample-weighted mean change of the round
                 mean = sum(c * other.own[r] for c, other in zip(WEIGHTS, everyone))
+                self.consensus += mean
                 update = mean - self.own[r]
                 with torch.no_grad():
                     w = flat(self.params) + update
@@ -147,8 +151,9 @@ def replay_gssp(logs: list[list[tuple]], compression: str) -> torch.Tensor:
             break
         if not any(g.advance(groups) for g in groups):
             raise AssertionError("replay is stuck: the logs are not a causal schedule")
-    average_all([g.model for g in groups], WEIGHTS)
-    return state_of(groups[0].model)
+    buffers = [float_buffers(g.model) for g in groups]
+    mean = sum(c * flat(b) for c, b in zip(WEIGHTS, buffers))
+    return torch.cat([groups[0].consensus, mean])
 
 
 def run_gssp(channel: Channel, compression: str) -> tuple[torch.Tensor, list[tuple]]:
