@@ -78,8 +78,9 @@ class LocalSession:
     def report(self, record: dict[str, Any]) -> None:
         """No launcher to report to outside a launched job."""
 
-    def start_epoch(self) -> None:
-        """Nothing to time in one process."""
+    def start_epoch(self, stop: bool = False) -> bool:
+        """Nothing to time in one process; the stop decision is this process's own."""
+        return stop
 
     def end_epoch(self, optimizer: Any) -> dict[str, Any]:
         """Refuse a diverged epoch (RunError before its checkpoint is written); no numbers to add."""

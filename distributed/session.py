@@ -495,13 +495,19 @@ class HorovodSession(LocalSession):
             }
         )
 
-    def start_epoch(self) -> None:
-        # Rank 0 validates between epochs: everyone waits for it here (alive, in phase "wait"), so
-        # that epoch clocks start together and measure training.
+    def start_epoch(self, stop: bool = False) -> bool:
+        """Wait for every rank, then start the epoch's clocks; returns rank 0's ``stop`` on every rank.
+
+        Rank 0 validates between epochs: everyone waits for it here (alive, in phase "wait"), so
+        that epoch clocks start together and measure training. Its early-stopping decision rides
+        on the same barrier (:meth:`~medseg.distributed.comm.channel.Channel.barrier_with`): across
+        sites every collective is a WAN round trip.
+        """
         self.phase("wait")
-        self.channel.barrier()
+        stop = bool(self.channel.barrier_with(int(stop), 0))
         self.phase("train")
         self.epoch_samples, self.epoch_tic, self.compute_s = 0, time.perf_counter(), 0.0
+        return stop
 
     def end_epoch(self, optimizer: Any) -> dict[str, Any]:
         """Finish the epoch's synchronisation and gather its numbers (every rank calls this)."""

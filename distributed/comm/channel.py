@@ -25,9 +25,11 @@ bsp fixed-bit allreduce between sites       site, then columns  exact in the sit
 gssp/ssp in-group gradient average          site group (torch)  must not pay the WAN per step
 gssp/ssp cross-group round (async)          leaders (torch)     must not block in-site training
 in-group broadcast of a received round      site group (torch)  one WAN transfer per site, not |g|
-epoch-end model average (gssp, local-sgd)   site then leaders   WAN bytes of one copy per site
+epoch-end average (local-sgd; gssp buffers) site then leaders   WAN bytes of one copy per site
 bsp-hier / fedavg / diloco site rounds      site then leaders   in-site exact, one copy per site
-barriers, small values and state           world (torch)       long timeout; the watchdog decides
+barriers, small values and state           world (torch)       long timeout; the watchdog decides;
+                                                                a small JSON value travels with its
+                                                                size (one WAN round trip, not two)
 ==========================================  ==================  ===================================
 
 Small values and state cross as declared wire messages (:mod:`medseg.distributed.comm.wire`: JSON
@@ -56,6 +58,9 @@ from medseg.errors import RunError
 
 log = logging.getLogger(__name__)
 
+# A JSON message of at most this many bytes travels with its size in one collective (one WAN
+# round trip instead of two: sizes, then bytes); a larger one still takes the two.
+INLINE_JSON_BYTES = 2048
 ADDRESS_SLOTS = 1024  # int32 slots of the announced store address (length, then MAC'd JSON bytes)
 
 
@@ -171,6 +176,17 @@ class Group:
         # Gloo's barrier is an allreduce of nothing; an allreduce of one value is just as good.
         self.allreduce_(torch.zeros(1))
 
+    def barrier_with(self, value: int, src: int) -> int:
+        """A barrier that also carries global rank ``src``'s integer ``value`` to every member.
+
+        One allgather of one int64 per member (no member completes it before every member has
+        entered it); ``src``'s entry is the result and every other entry is ignored, so no other
+        member can change it.
+        """
+        outs = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.allgather(outs, torch.tensor([value], dtype=torch.int64))
+        return int(outs[self.root(src)][0])
+
     # -- declared messages (medseg.distributed.comm.wire) ------------------------------------------
     def _sizes(self, mine: list[int], limits: list[int], what: str) -> list[list[int]]:
         """Every member's sizes (``len(mine)`` numbers each), each checked against ``limits`` first."""
@@ -179,9 +195,12 @@ class Group:
         sizes = [[int(x) for x in o] for o in outs]
         for j, row in enumerate(sizes):
             for n, limit in zip(row, limits):
-                if not 0 <= n <= limit:
-                    raise wire.refuse(self.describe(j), what, f"it announced {n} bytes, the limit is {limit}")
+                self._check_announced(j, n, limit, what)
         return sizes
+
+    def _check_announced(self, j: int, n: int, limit: int, what: str) -> None:
+        if not 0 <= n <= limit:
+            raise wire.refuse(self.describe(j), what, f"it announced {n} bytes, the limit is {limit}")
 
     def _allgather_bytes(self, data: torch.Tensor, sizes: list[int], kind: str) -> list[torch.Tensor]:
         """Every member's uint8 ``data`` (``sizes[j]`` bytes from member j; padded to the largest)."""
@@ -197,9 +216,16 @@ class Group:
     def gather_json(self, value: Any, schema: str, kind: str = "control") -> list[Any]:
         """Every member's ``value`` on every member, in rank order, as a JSON message of ``schema``
         (:data:`medseg.distributed.comm.wire.SCHEMAS`); a malformed one stops every member."""
-        data = torch.frombuffer(bytearray(wire.encode_json(value)), dtype=torch.uint8)
-        sizes = [row[0] for row in self._sizes([data.numel()], [wire.MAX_JSON_BYTES], schema)]
-        got = self._allgather_bytes(data, sizes, kind)
+        raw = wire.encode_json(value)
+        outs = [torch.empty(8 + INLINE_JSON_BYTES, dtype=torch.uint8) for _ in range(self.size)]
+        self.allgather(outs, inline_slot(raw), kind=kind)
+        sizes = [slot_size(o) for o in outs]
+        for j, n in enumerate(sizes):
+            self._check_announced(j, n, wire.MAX_JSON_BYTES, schema)
+        if max(sizes) <= INLINE_JSON_BYTES:
+            got = [o[8 : 8 + n] for o, n in zip(outs, sizes)]
+        else:  # every member saw the same sizes, so every member takes this second trip
+            got = self._allgather_bytes(torch.frombuffer(bytearray(raw), dtype=torch.uint8), sizes, kind)
         return [wire.decode_json(g.numpy().tobytes(), schema, self.describe(j)) for j, g in enumerate(got)]
 
     def gather_tree(self, obj: Any, tree: str, kind: str = "control") -> list[Any]:
@@ -261,21 +287,35 @@ class Group:
         """Global rank ``src``'s ``value`` on every member, as a JSON message of ``schema``."""
         me = self.ranks[self.index] == src
         data = wire.encode_json(value) if me else b""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        self.broadcast_(size, src)
-        sender = self.describe(self.root(src))
-        if not 0 <= int(size) <= wire.MAX_JSON_BYTES:
-            raise wire.refuse(
-                sender, schema, f"it announced {int(size)} bytes, the limit is {wire.MAX_JSON_BYTES}"
+        slot = inline_slot(data) if me else torch.empty(8 + INLINE_JSON_BYTES, dtype=torch.uint8)
+        self.broadcast_(slot, src, kind=kind)
+        size = slot_size(slot)
+        self._check_announced(self.root(src), size, wire.MAX_JSON_BYTES, schema)
+        if size <= INLINE_JSON_BYTES:
+            buf = slot[8 : 8 + size]
+        else:
+            buf = (
+                torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                if me
+                else torch.empty(size, dtype=torch.uint8)
             )
-        buf = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if me
-            else torch.empty(int(size), dtype=torch.uint8)
-        )
-        if int(size):
             self.broadcast_(buf, src, kind=kind)
-        return wire.decode_json(buf.numpy().tobytes(), schema, sender)
+        return wire.decode_json(buf.numpy().tobytes(), schema, self.describe(self.root(src)))
+
+
+def inline_slot(data: bytes) -> torch.Tensor:
+    """``data``'s size (int64, the machine's byte order) and, when it fits, the bytes themselves,
+    in a slot of ``8 + INLINE_JSON_BYTES`` bytes (zeros after them)."""
+    slot = torch.zeros(8 + INLINE_JSON_BYTES, dtype=torch.uint8)
+    slot[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if 0 < len(data) <= INLINE_JSON_BYTES:
+        slot[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return slot
+
+
+def slot_size(slot: torch.Tensor) -> int:
+    """The size an :func:`inline_slot` announces (unchecked: the caller checks it against its limit)."""
+    return int(slot[:8].clone().view(torch.int64)[0])
 
 
 def gather_tree_to_root(
@@ -428,6 +468,10 @@ class Channel:
 
     def barrier(self) -> None:
         self.world.barrier()
+
+    def barrier_with(self, value: int, src: int = 0) -> int:
+        """A barrier of every rank that also carries rank ``src``'s integer (:meth:`Group.barrier_with`)."""
+        return self.world.barrier_with(value, src)
 
     def gather_json(self, value: Any, schema: str, kind: str = "control") -> list[Any]:
         """Every rank's ``value`` on every rank, in rank order (a JSON message of ``schema``)."""

@@ -113,8 +113,7 @@ def _run_epochs(run: Run, history: History, stop: int) -> int:
     last = min(stop, t.epochs)
     for epoch in range(history.start, min(stop, t.epochs) + 1):
         seed_epoch(run.data, t.seed, epoch, session.rank)
-        session.start_epoch()
-        if t.stop_at and session.share_state(reached):
+        if session.start_epoch(reached) and t.stop_at:  # rank 0's decision, on every rank
             last = epoch - 1
             break
         record = train_steps(run, epoch)

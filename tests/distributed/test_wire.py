@@ -7,6 +7,7 @@ import datetime
 import json
 import secrets
 import socket
+import sys
 import threading
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from medseg.distributed.comm import auth, wire
-from medseg.distributed.comm.channel import Group, gather_tree_to_root
+from medseg.distributed.comm.channel import INLINE_JSON_BYTES, Group, gather_tree_to_root
 from medseg.errors import RunError
 
 FACTS = {
@@ -277,32 +278,71 @@ def test_a_group_over_the_mac_store_exchanges_declared_messages() -> None:
     assert got[1] == (None, [8, 0]) and got[0][0][1] == ("b", None)
 
 
+def _slot(size: int, data: bytes = b"") -> torch.Tensor:
+    """A gather slot by hand: an announced size, then bytes (independent of ``inline_slot``)."""
+    raw = size.to_bytes(8, sys.byteorder) + data
+    slot = torch.zeros(8 + INLINE_JSON_BYTES, dtype=torch.uint8)
+    slot[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    return slot
+
+
 def test_a_peer_that_sends_garbage_or_too_much_is_named_and_refused() -> None:
-    """Rank 1 speaks the protocol by hand: a malformed object, then an oversize announcement."""
+    """Rank 1 speaks the protocol by hand: a malformed object (inline, then in a second trip), then
+    an oversize announcement."""
     a, b = _groups(secrets.token_bytes(32))
 
     def evil(data: bytes) -> None:
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
-        b.allgather(sizes, torch.tensor([len(data)], dtype=torch.int64))
-        top = max(int(s) for s in sizes)
-        buf = torch.zeros(top, dtype=torch.uint8)
-        buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-        b.allgather([torch.empty(top, dtype=torch.uint8) for _ in range(2)], buf)
+        inline = len(data) <= INLINE_JSON_BYTES
+        outs = [torch.empty(8 + INLINE_JSON_BYTES, dtype=torch.uint8) for _ in range(2)]
+        b.allgather(outs, _slot(len(data), data if inline else b""))
+        if not inline:
+            b.allgather(
+                [torch.empty(len(data), dtype=torch.uint8) for _ in range(2)],
+                torch.tensor(list(data), dtype=torch.uint8),
+            )
 
     honest = lambda: a.gather_json(FACTS, "dataset-header")  # noqa: E731
-    got = _run_ranks([honest, lambda: evil(b"\x80\x04\x95cos\nsystem\n")])  # a pickle
-    assert isinstance(got[0], RunError) and "rank 1 (site b) sent a malformed 'dataset-header'" in str(got[0])
+    for pickle_like in (b"\x80\x04\x95cos\nsystem\n", b"\x80\x04\x95" + b"x" * 3000):  # inline, second trip
+        got = _run_ranks([honest, lambda: evil(pickle_like)])
+        assert isinstance(got[0], RunError), got[0]
+        assert "rank 1 (site b) sent a malformed 'dataset-header'" in str(got[0]), got[0]
     got = _run_ranks([honest, lambda: evil(_json({**FACTS, "labels": ["not", "a", "map"]}))])
     assert isinstance(got[0], RunError) and "rank 1 (site b)" in str(got[0]), got[0]
 
     def oversize() -> None:
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
-        b.allgather(sizes, torch.tensor([1 << 40], dtype=torch.int64))  # then nothing: it never sends 1 TB
+        outs = [torch.empty(8 + INLINE_JSON_BYTES, dtype=torch.uint8) for _ in range(2)]
+        b.allgather(outs, _slot(1 << 40))  # then nothing: it never sends 1 TB
 
     got = _run_ranks([honest, oversize])
     assert isinstance(got[0], RunError) and "announced 1099511627776 bytes, the limit is 1048576" in str(
         got[0]
     )
+
+
+def test_json_messages_small_and_large_arrive_whole() -> None:
+    """Below the inline size a message takes one collective, above it a second; both arrive whole,
+    from an all-to-all gather and from a broadcast."""
+    a, b = _groups(secrets.token_bytes(32))
+    big = {**FACTS, "labels": {str(i): f"structure {i:04d}" for i in range(200)}}  # over 2 KiB
+    assert len(_json(big)) > INLINE_JSON_BYTES >= len(_json(FACTS))
+    for pair in ((FACTS, FACTS), (FACTS, big)):
+        got = _run_ranks(
+            [
+                lambda v=pair[0]: a.gather_json(v, "dataset-header"),
+                lambda v=pair[1]: b.gather_json(v, "dataset-header"),
+            ]
+        )
+        assert got == [list(pair), list(pair)], got
+    for value in (FACTS, big):
+        got = _run_ranks(
+            [
+                lambda v=value: a.broadcast_json(v, 1, "dataset-header"),
+                lambda v=value: b.broadcast_json(v, 1, "dataset-header"),
+            ]
+        )
+        assert got == [value, value], got
+    got = _run_ranks([lambda: a.barrier_with(7, 1), lambda: b.barrier_with(3, 1)])
+    assert got == [3, 3], got  # rank 1's value on both; rank 0's 7 is ignored
 
 
 def test_a_rank_without_the_job_secret_cannot_join() -> None:
