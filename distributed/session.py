@@ -356,6 +356,7 @@ class HorovodSession(LocalSession):
         from medseg.distributed.sync.common import assign, flat
         from medseg.distributed.sync.gssp import GroupStale
         from medseg.distributed.sync.local_sgd import LocalSGD
+        from medseg.distributed.sync.outer import OuterNesterov
         from medseg.distributed.sync.peers import DiLoCo, FedAvg
         from medseg.distributed.sync.rounds import site_lists
 
@@ -418,6 +419,7 @@ class HorovodSession(LocalSession):
                 topk_bits=d.topk_bits,
                 steps=list(self.periods),
                 normalize_steps=d.normalize_steps,
+                outer=OuterNesterov(d.outer_lr, d.outer_momentum) if d.outer == "nesterov" else None,
             )
         self.optimizer.who = self.channel.describe(self.rank)
         return self.optimizer

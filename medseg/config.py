@@ -141,6 +141,9 @@ class DistConfig:
     inner_steps: int = 500
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    # gssp/ssp: what each round's mean change goes through, ``average`` (applied as it is) or
+    # ``nesterov`` (DiLoCo's outer step, with outer_lr and outer_momentum above)
+    outer: Literal["average", "nesterov"] = "average"
     # fedavg: E, local epochs per round, then the sample-weighted model average; local_steps > 0
     # makes a round that many steps instead (a fraction of an epoch; it also ends at each epoch's end)
     local_epochs: int = 1
@@ -167,6 +170,10 @@ class DistConfig:
         if not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
             raise ConfigError(
                 f"dist: outer_lr must be > 0 and outer_momentum in [0, 1), got {self.outer_lr}, {self.outer_momentum}"
+            )
+        if self.outer == "nesterov" and (self.sync not in ("gssp", "ssp") or self.dc_lambda):
+            raise ConfigError(
+                "dist.outer: nesterov is for gssp and ssp, without dc_lambda (diloco has its own)"
             )
         peers = ("bsp-hier", "fedavg", "diloco")
         if self.sync in peers and self.compression != "none":

@@ -52,6 +52,16 @@ def test_dist_bounds_are_checked() -> None:
             config_from_dict({"dist": {key: bad}})
 
 
+def test_an_outer_nesterov_step_is_for_gssp_without_delay_compensation() -> None:
+    assert config_from_dict({"dist": {"sync": "gssp", "outer": "nesterov"}}).dist.outer == "nesterov"
+    for dist in (
+        {"sync": "bsp", "outer": "nesterov"},
+        {"sync": "gssp", "outer": "nesterov", "dc_lambda": 0.1},
+    ):
+        with pytest.raises(ConfigError, match="dist.outer: nesterov is for gssp and ssp"):
+            config_from_dict({"dist": dist})
+
+
 def test_overrides_parse_yaml_values() -> None:
     data = apply_overrides(
         {"train": {"epochs": 3}}, ["train.epochs=7", "transforms.patch=[16,16,16]", "name=x"]

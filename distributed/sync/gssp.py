@@ -26,6 +26,7 @@ from medseg.distributed.sync.common import (
     ring_allreduce_bytes,
     site_average,
 )
+from medseg.distributed.sync.outer import OuterNesterov
 from medseg.errors import ConfigError
 
 
@@ -186,6 +187,15 @@ class GroupStale(SyncedOptimizer):
     a group never leads the slowest by more than s completed rounds when it starts a round, and
     τ ≤ s.
 
+    Outer optimizer (``outer``; DiLoCo, Douillard et al. 2023). With :class:`~medseg.distributed.sync.outer.OuterNesterov`
+    of rate η_o and momentum μ, a round's mean change is a pseudo-gradient −S(r) and every group
+    applies the outer step's change instead of S(r) itself::
+
+        b(r) = μ b(r−1) − S(r),   U(r) = −η_o (−S(r) + μ b(r)),   u = U(r) − Δ_g(r),   z ← z + U(r)
+
+    Every group feeds the same S(r) in the same round order, so every group holds the same b and U,
+    and consensus stays exact: z = a_0 + Σ_r U(r). η_o = 1, μ = 0 is plain averaging (U = S).
+
     Delay compensation (``dc_lambda`` = λ > 0; DC-ASGD, Zheng et al., ICML 2017): the part of S(r)
     that came from the other groups, S(r) − c_g Δ_g(r), is compensated for the delay before step 4.
     Their gradient g was taken at w_then (this group's w when round r was submitted) and is applied
@@ -238,6 +248,7 @@ class GroupStale(SyncedOptimizer):
         normalize_steps: count each group's change per local step (FedNova, above).
         topk_fraction: f, the share of each layer's entries a ``"topk"`` round sends.
         topk_bits: bits per kept value with ``"topk"`` (0: float32 values).
+        outer: the outer optimizer the rounds' mean changes go through (None: applied as they are).
     """
 
     def __init__(
@@ -258,8 +269,14 @@ class GroupStale(SyncedOptimizer):
         topk_bits: int = 0,
         steps: list[int] | None = None,
         normalize_steps: bool = False,
+        outer: OuterNesterov | None = None,
     ) -> None:
         super().__init__(optimizer, model, local_norm)
+        if outer is not None and dc_lambda:
+            raise ConfigError(
+                "gssp: an outer optimizer and DC-ASGD do not combine (DC leaves no common consensus)"
+            )
+        self.outer = outer
         self.channel = channel
         # In-site links are fast: the per-step average stays exact; compression is for the WAN rounds.
         self.average = GroupAverage(model, channel, "none", bits)
@@ -405,6 +422,8 @@ class GroupStale(SyncedOptimizer):
 
     def _apply(self, e: _Round, boundary: int) -> None:
         mean = self._received(e)
+        if self.outer is not None:  # U(r): the outer step's change from z
+            mean = self.outer.step(self.consensus, -mean) - self.consensus
         self.consensus += mean
         tau = self.rounds - 1 - e.r
         if self.dc_lambda and e.w_then is not None:
@@ -448,6 +467,8 @@ class GroupStale(SyncedOptimizer):
             state["delta"] = self.coded.state_dict()
         if self.average.fixed is not None:
             state["grad"] = self.average.fixed.state_dict()
+        if self.outer is not None:
+            state["outer"] = self.outer.state_dict()
         return state
 
     def load_sync_state(self, state: dict[str, Any]) -> None:
@@ -459,5 +480,7 @@ class GroupStale(SyncedOptimizer):
             self.coded.load_state_dict(state["delta"])
         if self.average.fixed is not None and state.get("grad"):
             self.average.fixed.load_state_dict(state["grad"])
+        if self.outer is not None:
+            self.outer.load_state_dict(state.get("outer") or {})
         self.anchor = flat(self.params).clone()
         self.consensus = self.anchor.clone()

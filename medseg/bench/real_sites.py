@@ -22,7 +22,8 @@ Setting, every part measured or stated:
   (``--gpu-step-s``; see its comment for where it comes from). The report prints the ratio that
   results, measured: bsp-hier's waiting on other sites per step over its compute per step.
 - **Configs** (:data:`CONFIGS`): the peers bsp-hier, fedavg and diloco, and gssp, gssp-fixed4,
-  gssp-topk1, all on medseg's channel, with the same data, model, optimiser, seeds and epochs.
+  gssp-topk1 and gssp-fixed4-nesterov (its rounds through DiLoCo's outer step, diloco's outer lr
+  and momentum), all on medseg's channel, with the same data, model, optimiser, seeds and epochs.
 - **bsp-hier on the dilated WAN** is exact synchronous SGD: its Dice after a given number of
   steps does not depend on the link, only its time does. Each of its steps crosses the WAN, so a
   full run there would take hours; it runs in full on the no-WAN control (``hippo3-lan``), and on
@@ -90,9 +91,18 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gssp": {"sync": "gssp", "staleness": 2},
     "gssp-fixed4": {"sync": "gssp", "staleness": 2, "compression": "fixed", "bits": 4},
     "gssp-topk1": {"sync": "gssp", "staleness": 2, "compression": "topk", "topk_fraction": 0.01},
+    "gssp-fixed4-nesterov": {
+        "sync": "gssp",
+        "staleness": 2,
+        "compression": "fixed",
+        "bits": 4,
+        "outer": "nesterov",
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+    },
 }
 PEERS = ("bsp-hier", "fedavg", "diloco")
-GSSP = ("gssp", "gssp-fixed4", "gssp-topk1")
+GSSP = ("gssp", "gssp-fixed4", "gssp-topk1", "gssp-fixed4-nesterov")
 DICE_TARGET = 0.85  # mean per-site validation Dice
 EPOCHS = 8  # equal epochs for every config (the planner's), then on to the target
 MAX_EPOCHS = 16

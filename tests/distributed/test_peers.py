@@ -14,7 +14,7 @@ import torch
 
 from medseg.config import config_from_dict
 from medseg.distributed.comm.checks import UpdateRefused
-from medseg.distributed.sync.peers import OuterNesterov
+from medseg.distributed.sync.outer import OuterNesterov
 from medseg.distributed.sync.rounds import check_counts, site_lists
 from medseg.errors import ConfigError
 

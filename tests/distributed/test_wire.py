@@ -303,7 +303,7 @@ def test_a_peer_that_sends_garbage_or_too_much_is_named_and_refused() -> None:
 
     honest = lambda: a.gather_json(FACTS, "dataset-header")  # noqa: E731
     for pickle_like in (b"\x80\x04\x95cos\nsystem\n", b"\x80\x04\x95" + b"x" * 3000):  # inline, second trip
-        got = _run_ranks([honest, lambda: evil(pickle_like)])
+        got = _run_ranks([honest, lambda p=pickle_like: evil(p)])
         assert isinstance(got[0], RunError), got[0]
         assert "rank 1 (site b) sent a malformed 'dataset-header'" in str(got[0]), got[0]
     got = _run_ranks([honest, lambda: evil(_json({**FACTS, "labels": ["not", "a", "map"]}))])

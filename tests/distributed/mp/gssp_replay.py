@@ -10,7 +10,8 @@ Run: horovodrun -np 2 -H localhost:2 --gloo python tests/distributed/mp/gssp_rep
    moving to the rounds' sample-weighted mean change, weights 2/3 and 1/3), and the epoch's end:
    parameters set to a_0 + Σ_r S(r), the sum of the rounds' mean changes (with codes, what the
    rounds carried; the residual stays behind), BatchNorm buffers averaged with the weights. The
-   replay must land on the engines' parameters and BatchNorm buffers
+   replay must land on the engines' parameters and BatchNorm buffers (also with 4-bit codes and
+   DiLoCo's outer Nesterov step on the rounds' mean changes, replayed with ``torch.optim.SGD``)
    within 1e-6, some round must have been stale (τ > 0), and no τ may exceed s.
 2. Exact consensus, checked against a rule-free reference: staleness bound s = 2, rounds of 3 and
    1 steps, the slow rank slowed far enough that rounds are *forced* (τ = 2). Each engine's own
@@ -37,6 +38,7 @@ from medseg.distributed.comm.round_codecs import round_codec
 from medseg.distributed.sync.common import flat, float_buffers
 from medseg.distributed.sync.gssp import GroupStale
 from medseg.distributed.sync.local_sgd import LocalSGD
+from medseg.distributed.sync.outer import OuterNesterov
 
 ROUNDS = 6
 PERIODS = [2, 1]  # the fast group 0 runs 2 steps per round, the slow group 1 one step
@@ -45,6 +47,7 @@ BOUND = 1
 TOPK = 0.1  # topk rounds: a tenth of each layer's entries
 WEIGHTS = [p / sum(PERIODS) for p in PERIODS]  # one rank per group: a group's share of a round's samples
 LR = 0.05
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov step, in the "fixed+nesterov" run
 
 
 def make_model() -> torch.nn.Module:
@@ -78,7 +81,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple)
 class GroupReplay:
     """One group's model, stepped through its own event log; blocked when a round is not yet known."""
 
-    def __init__(self, g: int, events: list[tuple], n_steps: int, compression: str) -> None:
+    def __init__(self, g: int, events: list[tuple], n_steps: int, compression: str, outer: bool) -> None:
         self.g, self.events, self.i, self.steps = g, events, 0, 0
         self.model = make_model()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=0.9)
@@ -86,6 +89,13 @@ class GroupReplay:
         self.data = batches(g, n_steps)
         self.anchor = flat(self.params).clone()
         self.consensus = self.anchor.clone()  # a_0 + Σ of the rounds' mean changes applied
+        # the outer step, independently: torch's Nesterov SGD on a copy of the consensus
+        self.shadow = torch.nn.Parameter(self.consensus.clone())
+        self.outer = (
+            torch.optim.SGD([self.shadow], lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+            if outer
+            else None
+        )
         self.own: dict[int, torch.Tensor] = {}
         self.sizes = [p.numel() for p in self.params]
         self.coded = round_codec(compression, self.sizes, 4, TOPK)
@@ -115,6 +125,12 @@ class GroupReplay:
                     return moved
                 # every group moves to the sample-weighted mean change of the round
                 mean = sum(c * other.own[r] for c, other in zip(WEIGHTS, everyone))
+                if self.outer is not None:  # the pseudo-gradient is −mean
+                    with torch.no_grad():
+                        self.shadow.copy_(self.consensus)
+                    self.shadow.grad = -mean
+                    self.outer.step()
+                    mean = self.shadow.detach() - self.consensus
                 self.consensus += mean
                 update = mean - self.own[r]
                 with torch.no_grad():
@@ -144,8 +160,8 @@ def average_all(models: list[torch.nn.Module], weights: list[float] | None = Non
                 offset += t.numel()
 
 
-def replay_gssp(logs: list[list[tuple]], compression: str) -> torch.Tensor:
-    groups = [GroupReplay(g, logs[g], STEPS[g], compression) for g in range(len(logs))]
+def replay_gssp(logs: list[list[tuple]], compression: str, outer: bool) -> torch.Tensor:
+    groups = [GroupReplay(g, logs[g], STEPS[g], compression, outer) for g in range(len(logs))]
     for _ in range(10_000):  # bounded: each pass moves some group forward or the logs are inconsistent
         if all(g.next_event() is not None and g.next_event()[0] == "average" for g in groups):
             break
@@ -156,12 +172,22 @@ def replay_gssp(logs: list[list[tuple]], compression: str) -> torch.Tensor:
     return torch.cat([groups[0].consensus, mean])
 
 
-def run_gssp(channel: Channel, compression: str) -> tuple[torch.Tensor, list[tuple]]:
+def run_gssp(channel: Channel, compression: str, outer: bool) -> tuple[torch.Tensor, list[tuple]]:
     rank = hvd.rank()
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     engine = GroupStale(
-        opt, model, channel, PERIODS[rank], BOUND, 0.0, compression, 4, weights=PERIODS, topk_fraction=TOPK
+        opt,
+        model,
+        channel,
+        PERIODS[rank],
+        BOUND,
+        0.0,
+        compression,
+        4,
+        weights=PERIODS,
+        topk_fraction=TOPK,
+        outer=OuterNesterov(OUTER_LR, OUTER_MOMENTUM) if outer else None,
     )
     for i, batch in enumerate(batches(rank, STEPS[rank])):
         train_step(model, engine, batch)
@@ -253,29 +279,28 @@ def main() -> int:
             print(f"PASS {name}" if ok else f"FAIL {name}: {why}", flush=True)
         failures += 0 if ok else 1
 
-    for compression in ("none", "fixed", "topk"):
-        mine, events = run_gssp(channel, compression)
+    for compression, outer in (("none", False), ("fixed", False), ("topk", False), ("fixed", True)):
+        mine, events = run_gssp(channel, compression, outer)
+        name = compression + ("+nesterov" if outer else "")
         states = channel.gather_tree(mine, "test")
         logs = channel.gather_tree(events, "test")
         check(
-            f"gssp-{compression} identical parameters and buffers on every rank after the epoch average",
+            f"gssp-{name} identical parameters and buffers on every rank at the epoch end",
             bool(torch.equal(states[0], states[1])),
             f"max difference {(states[0] - states[1]).abs().max().item():.3e}",
         )
         taus = [ev[3] for log in logs for ev in log if ev[0] == "apply"]
-        check(
-            f"gssp-{compression} some round applied stale", max(taus, default=0) > 0, f"staleness seen {taus}"
-        )
-        check(f"gssp-{compression} staleness within s={BOUND}", max(taus, default=0) <= BOUND, f"{taus}")
+        check(f"gssp-{name} some round applied stale", max(taus, default=0) > 0, f"staleness seen {taus}")
+        check(f"gssp-{name} staleness within s={BOUND}", max(taus, default=0) <= BOUND, f"{taus}")
         if hvd.rank() == 0:
-            expected = replay_gssp(logs, compression)
+            expected = replay_gssp(logs, compression, outer)
             diff = (expected - states[0]).abs().max().item()
             check(
-                f"gssp-{compression} equals its single-process replay",
+                f"gssp-{name} equals its single-process replay",
                 diff <= 1e-6,
                 f"max |difference| {diff:.3e}",
             )
-            print(f"gssp-{compression}: replay max |difference| {diff:.3e}, staleness applied {taus}")
+            print(f"gssp-{name}: replay max |difference| {diff:.3e}, staleness applied {taus}")
 
     params, sent, events = run_gssp_consensus(channel)
     states, all_sent = channel.gather_tree(params, "test"), channel.gather_tree(sent, "test")
