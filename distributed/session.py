@@ -84,13 +84,19 @@ class HorovodSession(LocalSession):
         # Horovod's stall inspector may warn; it must not shut the job down: the watchdog decides.
         os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(int(cfg.dist.timeout_s) // 2, 1)))
         os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = "0"
+        self.startup: dict[str, float] = {}  # seconds of each start-up phase, in order
+        tic = time.perf_counter()
         hvd.init()
         self.rank, self.size = hvd.rank(), hvd.size()
         self.is_chief = self.rank == 0
+        tic = self._startup_phase("horovod_init", tic)
         self.channel = Channel(hvd, cfg.dist.timeout_s, secret)
+        self.startup.update(self.channel.startup)
+        tic = time.perf_counter()
         self.hosts: list[str] = self.channel.gather_json(
             os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(), "hostname"
         )
+        self._startup_phase("hostnames", tic)
         self.rank_sites = self._sites(cfg)
         self.site = self.rank_sites[self.rank] if cfg.sites else None
         self.channel.name_ranks([f"site {s}" if cfg.sites else f"host {s}" for s in self.rank_sites])
@@ -120,6 +126,12 @@ class HorovodSession(LocalSession):
         self._step_tic = 0.0
         self._step_compute = 0.0
 
+    def _startup_phase(self, name: str, tic: float) -> float:
+        """Record the seconds since ``tic`` as start-up phase ``name``; the time now."""
+        now = time.perf_counter()
+        self.startup[name] = round(now - tic, 3)
+        return now
+
     # -- sites ----------------------------------------------------------------------------------
     def _sites(self, cfg: Config) -> list[str]:
         """Every rank's site: the config's site whose name or host the rank was started on."""
@@ -145,7 +157,9 @@ class HorovodSession(LocalSession):
 
         if self.site is None:
             return
+        tic = time.perf_counter()
         everyone = self.channel.gather_json(facts, "dataset-header", kind="dataset-header")
+        self._startup_phase("dataset_agreed", tic)
         by_site: dict[str, dict[str, Any]] = {}
         for r, f in enumerate(everyone):
             by_site.setdefault(self.rank_sites[r], f)
@@ -181,17 +195,21 @@ class HorovodSession(LocalSession):
         """
         d = self.dist
         self.phase("profile")
+        tic = time.perf_counter()
         if d.sync in ("gssp", "ssp", "local-sgd"):
             if d.sync != "local-sgd" and not d.periods:
                 # All ranks are timed at once, after a barrier, under the same load as training
                 # itself; the median of several steps resists one-off stalls.
                 self.channel.barrier()
+                tic = self._startup_phase("profile_barrier", tic)
                 mine = self._time_steps(profile_step, d.profile_steps)
+                tic = self._startup_phase("profile_steps", tic)
                 self.speeds = check_speeds(
                     self.channel.gather_json(mine, "speed", kind="metrics"),
                     [self.channel.describe(r) for r in range(self.size)],
                     own=self.rank,
                 )
+                tic = self._startup_phase("profile_gather", tic)
             if d.sync == "ssp":
                 groups = [[r] for r in range(self.size)]
             elif d.groups:
@@ -213,7 +231,9 @@ class HorovodSession(LocalSession):
             else:
                 self.periods = [1] * len(self.groups)
         self.group_index = next(i for i, g in enumerate(self.groups) if self.rank in g)
+        tic = self._startup_phase("groups_agreed", tic)
         self.channel.set_groups(self.groups)
+        tic = self._startup_phase("group_connections", tic)
         self.base_periods = list(self.periods)
         if (
             d.sync in ("gssp", "ssp")
@@ -226,6 +246,8 @@ class HorovodSession(LocalSession):
             self.exchange_s = self._time_exchange(model)
             self.wan_factor = self._wan_factor(self.exchange_s)
             self.periods = [p * self.wan_factor for p in self.base_periods]
+            self._startup_phase("exchange_timed", tic)
+        self.report({"ev": "startup", **self.startup})
         if self.is_chief:
             log.info(
                 "sync %s: groups %s on hosts %s, rounds of %s steps, measured samples/s %s, "

@@ -48,6 +48,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 import torch
@@ -402,7 +403,9 @@ class Channel:
             host = _own_address()
             listener = _listen(host)  # the store listens on the job's address only
             where = (host, int(listener.getsockname()[1]))
+        tic = time.perf_counter()
         host, port = share_address(hvd, secret, where)
+        shared = time.perf_counter()
         if listener is not None:
             tcp = dist.TCPStore(
                 host,
@@ -419,7 +422,14 @@ class Channel:
             )
         self.store = auth.MacStore(tcp, secret)
         self.names = default_names(self.size)
+        stored = time.perf_counter()
         self.world = Group(self.store, "world/", list(range(self.size)), self.rank, self.timeout, self.names)
+        # seconds of each step of the channel's start-up (reported with the session's own)
+        self.startup = {
+            "channel_address": round(shared - tic, 3),
+            "channel_store": round(stored - shared, 3),
+            "channel_world": round(time.perf_counter() - stored, 3),
+        }
         log.debug("rank %d: medseg Gloo channel via %s:%d", self.rank, host, port)
         self.groups: list[list[int]] = [list(range(self.size))]
         self.group: list[int] = list(range(self.size))

@@ -214,7 +214,22 @@ def format_table(result: dict[str, Any]) -> str:
             for i, t in enumerate(c["runs"][0]["rank_time"])
         )
         lines.append(f"- {name} ({where}): {parts}")
+    lines += ["", "Start-up, first seed (s; launch to ranks up, then each phase on its slowest rank):", ""]
+    for name, where, c in rows:
+        lines.append(f"- {name} ({where}): {startup_line(c['runs'][0])}")
     return "\n".join(lines)
+
+
+def startup_line(run: dict[str, Any]) -> str:
+    """One job's start-up: to the ranks' processes, then its phases (:func:`startup_figures`)."""
+    up = run.get("ranks_up_s")
+    phases = run.get("startup_phases") or {}
+    parts = [f"ranks up {up:.1f}" if up is not None else "ranks up not recorded"]
+    parts += [f"{k.replace('_', ' ')} {v:.1f}" for k, v in phases.items()]
+    clock = run.get("startup_s")
+    return ", ".join(parts) + (
+        f"; the training clock starts at {clock:.1f}, before profiling" if clock else ""
+    )
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -150,6 +150,26 @@ def job_figures(
         "epochs": len(records),
         "steps": sum(1 for e in ranks.get(0, []) if "step" in e),
         "curve": curve,
+        **startup_figures(ranks, launched),
+    }
+
+
+def startup_figures(ranks: dict[int, list[dict]], launched: float) -> dict[str, Any]:
+    """Where a job's start-up went: seconds from the launch until the last rank's process was up
+    (imports and the launcher's ssh included), and each start-up phase's seconds on the slowest
+    rank for that phase (the ranks' ``startup`` records; a phase ends for all ranks together, so
+    the slowest rank's figure is the job's)."""
+    started = [e["t"] for evs in ranks.values() for e in evs if e.get("ev") == "started"]
+    phases: dict[str, float] = {}
+    for evs in ranks.values():
+        for e in evs:
+            if e.get("ev") == "startup":
+                for k, v in e.items():
+                    if isinstance(v, (int, float)) and k not in ("rank", "t", "seq", "pid"):
+                        phases[k] = max(phases.get(k, 0.0), float(v))
+    return {
+        "ranks_up_s": max(started) - launched if started else None,
+        "startup_phases": phases or None,
     }
 
 

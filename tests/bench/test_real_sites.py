@@ -148,3 +148,23 @@ def test_bbr_probe_rtt_share() -> None:
         return
     assert probe_rtt_share(50.0) == pytest.approx(0.98)  # ProbeRTT's 200 ms floor
     assert probe_rtt_share(1000.0) == pytest.approx(0.90)  # one round trip per 10 s
+
+
+def test_startup_figures_take_each_phase_from_its_slowest_rank():
+    from medseg.bench.sites_figures import startup_figures
+
+    ranks = {
+        0: [
+            {"ev": "started", "t": 105.0},
+            {"ev": "startup", "rank": 0, "t": 190.0, "horovod_init": 20.0, "channel_world": 9.0},
+        ],
+        1: [
+            {"ev": "started", "t": 112.5},
+            {"ev": "startup", "rank": 1, "t": 191.0, "horovod_init": 26.0, "channel_world": 4.0},
+        ],
+        2: [{"epoch": 1, "step": 0, "t": 200.0}],
+    }
+    fig = startup_figures(ranks, launched=100.0)
+    assert fig["ranks_up_s"] == 12.5
+    assert fig["startup_phases"] == {"horovod_init": 26.0, "channel_world": 9.0}
+    assert startup_figures({0: []}, 100.0) == {"ranks_up_s": None, "startup_phases": None}
