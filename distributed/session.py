@@ -442,6 +442,7 @@ class HorovodSession(LocalSession):
                 steps=list(self.periods),
                 normalize_steps=d.normalize_steps,
                 outer=OuterNesterov(d.outer_lr, d.outer_momentum) if d.outer == "nesterov" else None,
+                reset_momentum=d.round_momentum == "reset",
             )
         self.optimizer.who = self.channel.describe(self.rank)
         return self.optimizer

@@ -156,6 +156,9 @@ class DistConfig:
     # gssp/ssp: count each site's round change per local step (FedNova), so that a site taking more
     # steps per round does not pull the model toward its own data (medseg.distributed.sync.gssp)
     normalize_steps: bool = False
+    # gssp/ssp: the optimizer's momentum after a round moves a site's model: kept, or zeroed
+    # (second moments stay; medseg.distributed.sync.gssp)
+    round_momentum: Literal["keep", "reset"] = "keep"
     topk_bits: Literal[0, 2, 4, 8] = 0
     timeout_s: float = 120.0  # a rank silent this long is declared hung and the job is stopped
     profile_steps: int = 8  # timed blocks (>= 0.4 s each) per rank, median: speeds for groups and rounds
@@ -360,6 +363,8 @@ def _check(cfg: Config) -> None:
         )
     if d.normalize_steps and d.sync not in ("gssp", "ssp"):
         raise ConfigError(f"dist.normalize_steps: normalises gssp/ssp's rounds, not {d.sync}'s")
+    if d.round_momentum != "keep" and d.sync not in ("gssp", "ssp"):
+        raise ConfigError(f"dist.round_momentum: acts on gssp/ssp's rounds, not {d.sync}'s")
     if not 0 < d.topk_fraction <= 1:
         raise ConfigError(f"dist.topk_fraction must be in (0, 1], got {d.topk_fraction}")
     if d.compression == "fp16" and d.sync != "bsp":

@@ -31,15 +31,28 @@ from medseg.errors import ConfigError
 
 
 def dc_compensate(
-    delta: torch.Tensor, w_now: torch.Tensor, w_then: torch.Tensor, lam: float, lr: float
+    delta: torch.Tensor, w_now: torch.Tensor, w_then: torch.Tensor, lam: float, lr: float, steps: int = 1
 ) -> torch.Tensor:
-    """DC-ASGD's delay compensation of a model change ``delta`` (= −lr·g) computed at ``w_then``.
+    """DC-ASGD's delay compensation of a model change ``delta`` made by ``steps`` local steps of
+    rate ``lr`` from ``w_then``, applied at ``w_now``.
 
-    g' = g + λ g⊙g⊙(w_now − w_then) with g = −Δ/η gives Δ' = Δ − (λ/η) Δ⊙Δ⊙(w_now − w_then).
+    DC-ASGD compensates a stale gradient as g' = g + λ g⊙g⊙(w_now − w_then). Reading the change
+    as τ steps of one mean gradient, Δ = −η τ ḡ, the compensated change Δ' = −η τ ḡ' is
+
+        Δ' = Δ − λ/(η τ) · Δ⊙Δ⊙(w_now − w_then).
     """
     if lam == 0.0 or lr <= 0.0:
         return delta
-    return delta - (lam / lr) * delta * delta * (w_now - w_then)
+    return delta - (lam / (lr * steps)) * delta * delta * (w_now - w_then)
+
+
+def reset_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """Zero the momentum an optimizer keeps per parameter (AdamW's ``exp_avg``, SGD's
+    ``momentum_buffer``); second moments and step counts stay."""
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "momentum_buffer"):
+            if isinstance(state.get(key), torch.Tensor):
+                state[key].zero_()
 
 
 def round_coefficients(weights: list[float], steps: list[int] | None, normalize: bool) -> list[float]:
@@ -196,16 +209,30 @@ class GroupStale(SyncedOptimizer):
     Every group feeds the same S(r) in the same round order, so every group holds the same b and U,
     and consensus stays exact: z = a_0 + Σ_r U(r). η_o = 1, μ = 0 is plain averaging (U = S).
 
-    Delay compensation (``dc_lambda`` = λ > 0; DC-ASGD, Zheng et al., ICML 2017): the part of S(r)
-    that came from the other groups, S(r) − c_g Δ_g(r), is compensated for the delay before step 4.
-    Their gradient g was taken at w_then (this group's w when round r was submitted) and is applied
-    at w_now; DC-ASGD uses g + λ g⊙g⊙(w_now − w_then), the diagonal of the outer-product
-    approximation of the Hessian. For a model change Δ = −η g that is (:func:`dc_compensate`)::
+    Delay compensation (``dc_lambda`` = λ > 0; DC-ASGD, Zheng et al., ICML 2017): each other
+    group's change Δ_h(r), h ≠ g, is compensated for the delay, site by site, before it enters S(r).
+    Its gradients were taken around w_then (this group's w when round r was submitted) and are
+    applied at w_now; DC-ASGD uses g + λ g⊙g⊙(w_now − w_then), the diagonal of the outer-product
+    approximation of the Hessian. A round is τ_h local steps, read as τ_h steps of one mean
+    gradient (Δ_h = −η τ_h ḡ_h), which gives (:func:`dc_compensate`)::
 
-        Δ' = Δ − (λ/η) Δ⊙Δ⊙(w_now − w_then).
+        Δ'_h = Δ_h − λ/(η τ_h) · Δ_h⊙Δ_h⊙(w_now − w_then),   S'(r) = c_g Δ_g + Σ_{h≠g} c_h Δ'_h.
 
-    The compensation depends on each group's own w_now − w_then, so with λ > 0 the groups no longer
-    share one consensus between epoch averages (off by default, and never shown to help here).
+    Each site is compensated on its own, so the quadratic term scales with c_h, not with c_h²
+    and cross terms as compensating the weighted sum would. With AdamW the steps are not −η g
+    (Adam divides by its second moment), so the compensation is a heuristic there. It depends on
+    each group's own w_now − w_then, so with λ > 0 the groups no longer share one consensus and
+    the epoch's end averages w (off by default; the real-MR benchmark's measurement is in
+    docs/benchmarks.md).
+
+    Optimizer state after a round (``round_momentum``). Applying round r moves a group's model by
+    u = S(r) − Δ_g(r), a jump its optimizer did not make. ``keep`` (the default, as DiLoCo keeps its
+    inner AdamW state across rounds) leaves the state as it is; ``reset`` zeroes the momentum
+    (AdamW's first moment m, SGD's momentum buffer), which points along the group's own path
+    before the jump, and keeps AdamW's second moment v and step count: v is a running scale of the
+    gradients' size, which a jump does not change, and zeroing it would make the next steps
+    lr-sized in every coordinate. The choice is measured on the real-MR benchmark
+    (docs/benchmarks.md).
 
     With ``compression: topk`` a round carries each layer's k largest entries of Δ_g plus a residual
     (:class:`~medseg.distributed.comm.round_codecs.TopkRounds`), decoded and applied exactly as coded
@@ -249,6 +276,7 @@ class GroupStale(SyncedOptimizer):
         topk_fraction: f, the share of each layer's entries a ``"topk"`` round sends.
         topk_bits: bits per kept value with ``"topk"`` (0: float32 values).
         outer: the outer optimizer the rounds' mean changes go through (None: applied as they are).
+        reset_momentum: zero the optimizer's momentum whenever a round moves the model (below).
     """
 
     def __init__(
@@ -270,8 +298,10 @@ class GroupStale(SyncedOptimizer):
         steps: list[int] | None = None,
         normalize_steps: bool = False,
         outer: OuterNesterov | None = None,
+        reset_momentum: bool = False,
     ) -> None:
         super().__init__(optimizer, model, local_norm)
+        self.reset_momentum = reset_momentum
         if outer is not None and dc_lambda:
             raise ConfigError(
                 "gssp: an outer optimizer and DC-ASGD do not combine (DC leaves no common consensus)"
@@ -295,7 +325,7 @@ class GroupStale(SyncedOptimizer):
         self.weights = [float(x) / sum(raw) for x in raw]
         # k_h: what group h's change counts for in S(r): c_h, or c_h τ̄ / τ_h when normalised
         self.coeffs = round_coefficients(self.weights, steps, normalize_steps)
-        self.own_weight = self.coeffs[channel.groups.index(channel.group)]
+        self.group_steps = list(steps) if steps is not None else [period] * self.n_groups  # τ_h
         # With one group there is nobody to exchange with; ``exchange=True`` runs the machinery anyway (tests).
         self.single_group = not (self.n_groups > 1 if exchange is None else exchange)
         self.on_event = on_event or (lambda record: None)
@@ -315,8 +345,13 @@ class GroupStale(SyncedOptimizer):
         self.average_check = AverageCheck(channel, self.averaged, "part of the epoch-end average")
 
     # -- per step -------------------------------------------------------------------------------
-    def step(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # taken as the step begins: a round in flight then overlaps this step's compute, even if it
+        # lands before step() is called
         self.stats.inflight = self.leader and any(not e.work.is_completed() for e in self.pending)
+        super().zero_grad(set_to_none)
+
+    def step(self) -> None:
         tic = time.perf_counter()
         self.stats.bytes_sent += self.average()
         self.stats.step_site_s = time.perf_counter() - tic
@@ -417,6 +452,11 @@ class GroupStale(SyncedOptimizer):
         self.round_guard.check(changes, self.sources, own=self.group_index, shape=(self.numel,), floor=floor)
         total = torch.zeros(self.numel)
         for h, delta in enumerate(changes):
+            if self.dc_lambda and h != self.group_index and e.w_then is not None:
+                lr = float(self.base.param_groups[0]["lr"])
+                delta = dc_compensate(
+                    delta, flat(self.params), e.w_then, self.dc_lambda, lr, self.group_steps[h]
+                )
             total += self.coeffs[h] * delta
         return total
 
@@ -424,16 +464,12 @@ class GroupStale(SyncedOptimizer):
         mean = self._received(e)
         if self.outer is not None:  # U(r): the outer step's change from z
             mean = self.outer.step(self.consensus, -mean) - self.consensus
-        self.consensus += mean
+        self.consensus += mean  # with DC-ASGD not a common z (each leader compensates on its own)
         tau = self.rounds - 1 - e.r
-        if self.dc_lambda and e.w_then is not None:
-            lr = float(self.base.param_groups[0]["lr"])
-            others = mean - self.own_weight * e.own  # what the other groups contributed
-            mean = self.own_weight * e.own + dc_compensate(
-                others, flat(self.params), e.w_then, self.dc_lambda, lr
-            )
         update = mean - e.own
         assign(self.params, flat(self.params) + update)
+        if self.reset_momentum:
+            reset_momentum(self.base)
         self.anchor += update
         self.stats.staleness.append(tau)
         self.stats.last_staleness = tau

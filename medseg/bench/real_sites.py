@@ -23,7 +23,10 @@ Setting, every part measured or stated:
   results, measured: bsp-hier's waiting on other sites per step over its compute per step.
 - **Configs** (:data:`CONFIGS`): the peers bsp-hier, fedavg and diloco, and gssp, gssp-fixed4,
   gssp-topk1 and gssp-fixed4-nesterov (its rounds through DiLoCo's outer step, diloco's outer lr
-  and momentum), all on medseg's channel, with the same data, model, optimiser, seeds and epochs.
+  and momentum), all on medseg's channel, with the same data, model, optimiser, seeds and epochs
+  (:data:`DEFAULT_CONFIGS`). Three more change one lever of gssp-fixed4 each, for ablations
+  named with ``--configs``: FedNova's step normalisation, DC-ASGD per site (λ = 1, not tuned), and
+  the momentum zeroed after each round.
 - **bsp-hier on the dilated WAN** is exact synchronous SGD: its Dice after a given number of
   steps does not depend on the link, only its time does. Each of its steps crosses the WAN, so a
   full run there would take hours; it runs in full on the no-WAN control (``hippo3-lan``), and on
@@ -100,9 +103,35 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "outer_lr": 0.7,
         "outer_momentum": 0.9,
     },
+    # one lever each on gssp-fixed4 (issue 27's open choices, measured with --configs)
+    "gssp-fixed4-fednova": {
+        "sync": "gssp",
+        "staleness": 2,
+        "compression": "fixed",
+        "bits": 4,
+        "normalize_steps": True,
+    },
+    "gssp-fixed4-dc": {"sync": "gssp", "staleness": 2, "compression": "fixed", "bits": 4, "dc_lambda": 1.0},
+    "gssp-fixed4-reset": {
+        "sync": "gssp",
+        "staleness": 2,
+        "compression": "fixed",
+        "bits": 4,
+        "round_momentum": "reset",
+    },
 }
 PEERS = ("bsp-hier", "fedavg", "diloco")
-GSSP = ("gssp", "gssp-fixed4", "gssp-topk1", "gssp-fixed4-nesterov")
+GSSP = tuple(n for n in CONFIGS if n.startswith("gssp"))
+# what an invocation without --configs runs; the single-lever variants above are for ablations
+DEFAULT_CONFIGS = (
+    "bsp-hier",
+    "fedavg",
+    "diloco",
+    "gssp",
+    "gssp-fixed4",
+    "gssp-topk1",
+    "gssp-fixed4-nesterov",
+)
 DICE_TARGET = 0.85  # mean per-site validation Dice
 EPOCHS = 8  # equal epochs for every config (the planner's), then on to the target
 MAX_EPOCHS = 16
@@ -250,7 +279,7 @@ def bench_real_sites(
 
     from medseg.distributed.testbed.testbed import testbed
 
-    configs = list(configs or CONFIGS)
+    configs = list(configs or DEFAULT_CONFIGS)
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or "bsp-hier" not in configs:
         raise ConfigError(

@@ -168,3 +168,18 @@ def test_startup_figures_take_each_phase_from_its_slowest_rank():
     assert fig["ranks_up_s"] == 12.5
     assert fig["startup_phases"] == {"horovod_init": 26.0, "channel_world": 9.0}
     assert startup_figures({0: []}, 100.0) == {"ranks_up_s": None, "startup_phases": None}
+
+
+def test_the_time_target_names_its_seed_by_seed_band() -> None:
+    from medseg.bench.real_sites_report import seed_ratios
+
+    res = _result(gssp_s=200.0, seeds=3)
+    # seed 1 of gssp-topk1 slower, seed 2 of fedavg slower: ratios 0.5, 0.75, 0.4 (paired by seed)
+    res["wan"]["gssp-topk1"]["runs"][1] = {**res["wan"]["gssp-topk1"]["runs"][1], "time_to_dice_job_s": 300.0}
+    res["wan"]["fedavg"]["runs"][2] = {**res["wan"]["fedavg"]["runs"][2], "time_to_dice_job_s": 500.0}
+    assert seed_ratios(res, "gssp-topk1", "fedavg") == pytest.approx([0.5, 0.75, 0.4])
+    text = next(t.name for t in check_targets(res) if "best gssp (gssp-topk1) time to Dice" in t.name)
+    assert "seed by seed 0.40-0.75x" in text
+    # a seed that never reached the target leaves no band
+    res["wan"]["fedavg"]["runs"][0] = {**res["wan"]["fedavg"]["runs"][0], "time_to_dice_job_s": None}
+    assert seed_ratios(res, "gssp-topk1", "fedavg") == []
