@@ -87,6 +87,9 @@ class ModelConfig:
     width: float = 1.0  # resnet channel multiplier (widen_factor)
     norm: Literal["instance", "batch", "group"] = "instance"
     dropout: float = 0.0
+    # dynunet: extra decoder heads trained with deep supervision (nnU-Net's; 0 = off); each head's
+    # Dice-CE counts 1/2, 1/4, ... of the main output's (MONAI's DeepSupervisionLoss, weight_mode exp)
+    deep_supervision: int = 0
 
 
 @dataclass
@@ -327,6 +330,11 @@ def _check(cfg: Config) -> None:
     if m.name == "unet" and len(m.strides) != len(m.channels) - 1:
         raise ConfigError(
             f"model.strides: needs len(model.channels) - 1 = {len(m.channels) - 1} entries, got {m.strides}"
+        )
+    if m.deep_supervision and (m.name != "dynunet" or cfg.train.memory == "fused" or m.deep_supervision < 0):
+        raise ConfigError(
+            f"model.deep_supervision: {m.deep_supervision} heads need model.name dynunet and train.memory "
+            f"none (got {m.name}, {cfg.train.memory})"
         )
     if m.name == "swinunetr" and any(p % 32 for p in t.patch):
         raise ConfigError(f"transforms.patch: swinunetr needs every side divisible by 32, got {t.patch}")

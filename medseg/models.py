@@ -52,6 +52,19 @@ def dynunet_plan(
     return kernels, strides
 
 
+def _deep_supervision(heads: int, levels: int) -> dict[str, Any]:
+    """DynUNet's deep-supervision arguments for ``heads`` extra heads (none when 0); a head per
+    decoder level at most, the lowest excepted (MONAI's rule: heads < levels - 1)."""
+    if heads <= 0:
+        return {}
+    if heads >= levels - 1:
+        raise ConfigError(
+            f"model.deep_supervision: {heads} heads, but this patch gives dynunet {levels} levels, "
+            f"so at most {levels - 2}"
+        )
+    return {"deep_supervision": True, "deep_supr_num": heads}
+
+
 def network_def(cfg: Config, out_channels: int, in_channels: int = 1) -> dict[str, Any]:
     """The MONAI bundle ``network_def`` for ``cfg.model``."""
     m = cfg.model
@@ -90,6 +103,7 @@ def network_def(cfg: Config, out_channels: int, in_channels: int = 1) -> dict[st
             "upsample_kernel_size": strides[1:],
             "norm_name": norm,
             "dropout": m.dropout or None,
+            **_deep_supervision(m.deep_supervision, len(strides)),
         }
     if m.name == "swinunetr":
         return {

@@ -49,6 +49,9 @@ VARIANTS = {
         "train.lr=0.01",
         "train.scheduler=poly",
     ],
+    # nnU-Net's network (DynUNet, 32-320 features, its kernel/stride rule) without and with deep supervision
+    "dynunet": ["model.name=dynunet"],
+    "dynunet-ds": ["model.name=dynunet", "model.deep_supervision=2"],
 }
 #: inference-time variants: overrides given to ``medseg evaluate``
 EVALS = {

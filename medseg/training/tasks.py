@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from monai.inferers import sliding_window_inference
-from monai.losses import DiceCELoss
+from monai.losses import DeepSupervisionLoss, DiceCELoss
 from monai.metrics import compute_dice, compute_hausdorff_distance, compute_roc_auc
 from monai.networks.utils import one_hot
 
@@ -113,6 +113,9 @@ class SegmentationTask:
             )
         else:
             self.loss = DiceCELoss(to_onehot_y=True, softmax=True)
+        if cfg.model.deep_supervision:
+            # DynUNet stacks the main output and its heads' (upsampled to full size) on dim 1
+            self.loss = DeepSupervisionLoss(self.loss, weight_mode="exp")
 
     def targets(self, batch: dict[str, Any], device: torch.device) -> torch.Tensor:
         return batch["label"].to(device)
@@ -121,7 +124,10 @@ class SegmentationTask:
         """The training loss of one batch. With train.memory=fused and a fused head
         (medseg.kernels.head), the model returns a placeholder and the loss makes the logits slab by slab."""
         if self.cfg.train.memory != "fused":
-            return self.loss(model(inputs), targets)
+            out = model(inputs)
+            if self.cfg.model.deep_supervision and model.training:
+                return self.loss(list(torch.unbind(out, dim=1)), targets)
+            return self.loss(out, targets)
         from medseg.kernels.head import deferred_head
 
         with deferred_head(model):

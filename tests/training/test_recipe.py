@@ -110,3 +110,44 @@ def test_evaluate_with_mirroring_and_largest_components(seg_run, seg_data: Path)
     assert len(both["cases"]) == len(plain["cases"])
     assert 0.0 <= both["summary"]["dice"] <= 1.0
     assert both["summary"] != plain["summary"]  # the settings reached the model's run
+
+
+def _dynunet_raw(tmp_path: Path, heads: int, name: str = "dynunet") -> dict:
+    import dataclasses
+
+    raw = dataclasses.asdict(tiny_seg_config(tmp_path, tmp_path))
+    raw["model"] = {"name": name, "deep_supervision": heads}
+    raw["transforms"]["patch"] = [32, 32, 32]
+    return raw
+
+
+def test_deep_supervision_weighs_every_head_of_dynunet(tmp_path: Path) -> None:
+    """The training loss is Σ_l 2^-l DiceCE(head_l) over DynUNet's main output (l = 0) and its
+    heads; in eval mode the network returns the main output alone, as inference needs."""
+    from monai.losses import DiceCELoss
+
+    from medseg.models import build_network, network_def
+    from medseg.training.tasks import make_task
+
+    cfg = config_from_dict(_dynunet_raw(tmp_path, heads=2))
+    labels = {0: "background", 1: "organ"}
+    torch.manual_seed(0)
+    net = build_network(network_def(cfg, len(labels))).train()
+    x = torch.randn(2, 1, 32, 32, 32)
+    y = (torch.rand(2, 1, 32, 32, 32) > 0.7).float()
+    got = make_task(cfg, labels).step_loss(net, x, y)
+    heads = torch.unbind(net(x), dim=1)
+    assert len(heads) == 3 and all(h.shape == (2, 2, 32, 32, 32) for h in heads)
+    plain = DiceCELoss(to_onehot_y=True, softmax=True)
+    want = sum(w * plain(h, y) for w, h in zip((1.0, 0.5, 0.25), heads))
+    torch.testing.assert_close(got, want)
+    assert net.eval()(x).shape == (2, 2, 32, 32, 32)
+
+
+def test_deep_supervision_is_refused_where_it_cannot_run(tmp_path: Path) -> None:
+    from medseg.models import network_def
+
+    with pytest.raises(ConfigError, match="need model.name dynunet"):
+        config_from_dict(_dynunet_raw(tmp_path, heads=1, name="unet"))
+    with pytest.raises(ConfigError, match="at most"):
+        network_def(config_from_dict(_dynunet_raw(tmp_path, heads=9)), 2)
