@@ -307,23 +307,9 @@ def _from_dict(cls: type, data: Any, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-def _check(cfg: Config) -> None:
-    """Cross-field rules the types alone cannot express."""
-    t, m = cfg.transforms, cfg.model
-    for key, vals in (("transforms.spacing", t.spacing), ("transforms.patch", t.patch)):
-        if len(vals) != 3 or any(v <= 0 for v in vals):
-            raise ConfigError(f"{key}: expected three positive numbers, got {vals}")
-    if len(t.window) != 2 or t.window[0] >= t.window[1]:
-        raise ConfigError(f"transforms.window: expected [low, high] with low < high, got {t.window}")
-    n = t.normalize
-    if n.scheme == "ct":
-        if len(n.clip) != 2 or n.clip[0] >= n.clip[1]:
-            raise ConfigError(
-                f"transforms.normalize.clip: scheme ct needs [low, high] with low < high, got {n.clip}; "
-                "`medseg plan` writes the dataset's foreground percentiles here"
-            )
-        if not n.std > 0:
-            raise ConfigError(f"transforms.normalize.std: must be positive, got {n.std}")
+def _check_model(cfg: Config) -> None:
+    """The network's name against the task, and the options each network takes."""
+    m, t = cfg.model, cfg.transforms
     nets = SEG_NETS if cfg.task == "segmentation" else CLS_NETS
     if m.name not in nets:
         raise ConfigError(f"model.name: {m.name!r} is not a {cfg.task} network; allowed: {', '.join(nets)}")
@@ -338,6 +324,26 @@ def _check(cfg: Config) -> None:
         )
     if m.name == "swinunetr" and any(p % 32 for p in t.patch):
         raise ConfigError(f"transforms.patch: swinunetr needs every side divisible by 32, got {t.patch}")
+
+
+def _check(cfg: Config) -> None:
+    """Cross-field rules the types alone cannot express."""
+    t = cfg.transforms
+    for key, vals in (("transforms.spacing", t.spacing), ("transforms.patch", t.patch)):
+        if len(vals) != 3 or any(v <= 0 for v in vals):
+            raise ConfigError(f"{key}: expected three positive numbers, got {vals}")
+    if len(t.window) != 2 or t.window[0] >= t.window[1]:
+        raise ConfigError(f"transforms.window: expected [low, high] with low < high, got {t.window}")
+    n = t.normalize
+    if n.scheme == "ct":
+        if len(n.clip) != 2 or n.clip[0] >= n.clip[1]:
+            raise ConfigError(
+                f"transforms.normalize.clip: scheme ct needs [low, high] with low < high, got {n.clip}; "
+                "`medseg plan` writes the dataset's foreground percentiles here"
+            )
+        if not n.std > 0:
+            raise ConfigError(f"transforms.normalize.std: must be positive, got {n.std}")
+    _check_model(cfg)
     if not 0.0 <= cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: expected a number in [0, 1), got {cfg.data.val_fraction}")
     if len(set(cfg.infer.mirror)) != len(cfg.infer.mirror) or not set(cfg.infer.mirror) <= {0, 1, 2}:
