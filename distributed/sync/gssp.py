@@ -301,7 +301,7 @@ class GroupStale(SyncedOptimizer):
         reset_momentum: bool = False,
     ) -> None:
         super().__init__(optimizer, model, local_norm)
-        self.reset_momentum = reset_momentum
+        self.zeroes_momentum = reset_momentum
         if outer is not None and dc_lambda:
             raise ConfigError(
                 "gssp: an outer optimizer and DC-ASGD do not combine (DC leaves no common consensus)"
@@ -451,12 +451,12 @@ class GroupStale(SyncedOptimizer):
         floor = ROUND_FLOOR * float(self.anchor.norm())
         self.round_guard.check(changes, self.sources, own=self.group_index, shape=(self.numel,), floor=floor)
         total = torch.zeros(self.numel)
+        compensate = bool(self.dc_lambda) and e.w_then is not None
+        if compensate:
+            w_now, lr = flat(self.params), float(self.base.param_groups[0]["lr"])
         for h, delta in enumerate(changes):
-            if self.dc_lambda and h != self.group_index and e.w_then is not None:
-                lr = float(self.base.param_groups[0]["lr"])
-                delta = dc_compensate(
-                    delta, flat(self.params), e.w_then, self.dc_lambda, lr, self.group_steps[h]
-                )
+            if compensate and h != self.group_index:
+                delta = dc_compensate(delta, w_now, e.w_then, self.dc_lambda, lr, self.group_steps[h])
             total += self.coeffs[h] * delta
         return total
 
@@ -468,7 +468,7 @@ class GroupStale(SyncedOptimizer):
         tau = self.rounds - 1 - e.r
         update = mean - e.own
         assign(self.params, flat(self.params) + update)
-        if self.reset_momentum:
+        if self.zeroes_momentum:
             reset_momentum(self.base)
         self.anchor += update
         self.stats.staleness.append(tau)
