@@ -153,10 +153,12 @@ def _save_epoch(
     metric = record.get(task.key_metric)
     is_best = history.note_best(epoch, record, task)
     payload = checkpoint_payload(run, history, epoch, sync_marker, site_local)
-    save_checkpoints(payload, run.paths, best=is_best or run.data.val_loader is None)
     history.records.append(record)
-    reached = reached_stop_at(cfg.train, task.key_metric, metric, epoch)
+    # metrics.jsonl before last.pt: a chief killed between the two leaves a record newer than the
+    # checkpoint, which a resume drops and trains again; the other order would lose the epoch's record
     write_metrics(run.paths.metrics, history.records)
+    save_checkpoints(payload, run.paths, best=is_best or run.data.val_loader is None)
+    reached = reached_stop_at(cfg.train, task.key_metric, metric, epoch)
     plot_learning_curve(history.records, task.key_metric, cfg.run_dir / "learning_curve.png")
     shown = " ".join(f"{k}={v:.4f}" for k, v in record.items() if isinstance(v, float) and k != "epoch_s")
     log.info("epoch %d/%d %s (%.1fs)", epoch, cfg.train.epochs, shown, record["epoch_s"])

@@ -51,6 +51,37 @@ def test_resume_repeats_the_uninterrupted_run(seg_data: Path, tmp_path: Path) ->
     assert (part.run_dir / "bundle" / "models" / "model.pt").is_file()
 
 
+class _Killed(Exception):
+    """The chief dying in the middle of its end-of-epoch writes."""
+
+
+@pytest.mark.parametrize("dies", ["before", "after"])
+def test_a_chief_killed_around_its_checkpoint_write_loses_no_epoch_record(
+    seg_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dies: str
+) -> None:
+    """Killed just before or just after epoch 2's last.pt is written, the resumed run's metrics.jsonl
+    still holds epochs 1, 2, 3 in order (CI once saw [1, 2, 4, ...] when the kill fell between the
+    checkpoint and the metrics write)."""
+    import medseg.training.loop as loop
+
+    real = loop.save_checkpoints
+
+    def dying_save(payload, paths, best):  # noqa: ANN001, ANN202
+        if payload["epoch"] == 2 and dies == "before":
+            raise _Killed
+        real(payload, paths, best)
+        if payload["epoch"] == 2:
+            raise _Killed
+
+    cfg = tiny_seg_config(seg_data, tmp_path, name=f"killed-{dies}", epochs=3)
+    monkeypatch.setattr(loop, "save_checkpoints", dying_save)
+    with pytest.raises(_Killed):
+        train(cfg, progress=False)
+    monkeypatch.setattr(loop, "save_checkpoints", real)
+    train(cfg, resume=True, progress=False)
+    assert [r["epoch"] for r in read_metrics(cfg.run_dir / "metrics.jsonl")] == [1, 2, 3]
+
+
 def test_stop_at_ends_training_once_the_metric_is_reached_after_min_epochs(
     seg_data: Path, tmp_path: Path
 ) -> None:
