@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -140,11 +141,29 @@ def medseg_one(
     wall = time.time() - t0
     evals = evaluate_medseg(runs / name, held_dir, log)
     return {
+        **step_time(cfg, runs / name),
         "system": "medseg", "variant": variant, "budget_cpu_min": budget_min, "seed": seed, "epochs": epochs,
         "plan_cpu_s": round(plan_cpu, 1), "train_cpu_s": round(train_cpu, 1), "wall_s": round(wall, 1),
         "eval": evals, "config": str(cfg), **ctx, "load_end": os.getloadavg()[0],
         "train_cases": len(split.train), "val_cases": len(split.val), "held_out": len(split.held_out),
     }  # fmt: skip
+
+
+def step_time(plan: Path, run_dir: Path) -> dict:
+    """The plan's predicted wall seconds per step (its ``time:`` reason) and training's measured ones.
+
+    Measured: the epochs' training seconds (``epoch_s``, data loading included, validation not) over
+    their steps (the plan's steps per epoch)."""
+    from medseg.training.runlog import read_metrics
+
+    text = " ".join(plan.read_text().split())
+    predicted = re.search(r"([0-9.]+) s/step x [0-9]+ steps", text)
+    per_epoch = re.search(r"[0-9]+ steps of ([0-9]+) per epoch", text)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    if not (predicted and per_epoch and records):
+        return {}
+    measured = sum(r["epoch_s"] for r in records) / (len(records) * int(per_epoch.group(1)))
+    return {"plan_step_s": float(predicted.group(1)), "train_step_s": round(measured, 4)}
 
 
 def nnunet_dice(pred_dir: Path, held_dir: Path) -> dict:

@@ -7,7 +7,10 @@ Targets (issue 29), each printed PASS or FAIL with its numbers:
 2. time to nnU-Net's level: the least training CPU at which a medseg ``REFERENCE`` run reaches
    nnU-Net's best mean Dice in the file, over nnU-Net's CPU for that result, is <= 0.5;
 3. published level: a medseg run of at most 60 CPU minutes of training reaches Dice >= 0.90
-   (anterior) and >= 0.89 (posterior) on the held-out cases.
+   (anterior) and >= 0.89 (posterior) on the held-out cases;
+4. the plan's time: on runs of the plan's own epochs, training's measured wall seconds per step are
+   within 0.7-1.3x of what ``medseg plan --time-s`` predicted (the budget is filled, not over- or
+   under-run).
 """
 
 from __future__ import annotations
@@ -78,6 +81,23 @@ def checks(flat: list[dict]) -> list[str]:
     return out
 
 
+def plan_time_check(results: list[dict]) -> list[str]:
+    """The plan's step-time prediction against training's measured step, per run on the plan's own
+    epochs: within +-30% (``medseg plan --time-s`` fills the budget it was given, no more, no less)."""
+    runs = [r for r in results if r["system"] == "medseg" and not r.get("epochs") and r.get("plan_step_s")]
+    if not runs:
+        return []
+    ratios = [r["train_step_s"] / r["plan_step_s"] for r in runs]
+    ok = all(0.7 <= x <= 1.3 for x in ratios)
+    shown = ", ".join(
+        f"{r['variant']} s{r['seed']}: {r['train_step_s']:.3f} / {r['plan_step_s']:.3f} s" for r in runs
+    )
+    return [
+        f"- plan's step time (measured / predicted, runs on the plan's epochs): {shown}; ratio "
+        f"{min(ratios):.2f}-{max(ratios):.2f} (target 0.7-1.3): {'PASS' if ok else 'FAIL'}"
+    ]
+
+
 def plot(flat: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -102,8 +122,9 @@ def plot(flat: list[dict], path: Path) -> None:
 
 
 def report(json_path: Path, markdown: Path | None, plot_path: Path | None) -> None:
-    flat = rows(json.loads(json_path.read_text())["results"])
-    text = "\n".join([*table(flat), "", "Targets:", "", *checks(flat)])
+    results = json.loads(json_path.read_text())["results"]
+    flat = rows(results)
+    text = "\n".join([*table(flat), "", "Targets:", "", *checks(flat), *plan_time_check(results)])
     print(text)
     if plot_path is not None:
         plot(flat, plot_path)

@@ -16,8 +16,12 @@ before it, ``P`` the network's parameters (their gradients are ``4 P`` bytes), `
 the batch; two probes give ``b`` (bytes per batch voxel) and ``c``. The candidate's step peak is
 predicted as ``4 P + c + b B V`` and its total as that plus ``12 P`` (weights and AdamW's two
 moments) plus the batch (``8 B V``: image and label as float32). The step time is fitted the same
-way: ``t = t0 + k B V``. Models are cached per topology: two probe processes per topology met;
-without a time budget each probe times one step instead of three. A probe of another (shallower)
+way: ``t = t0 + k B V``, from CPU seconds for the default budget (relative to the demo's step,
+measured the same way) and from wall seconds for ``--time-s``; the latter come from a second process
+per probe that runs the step as training does (torch's threads, glibc's own allocator), because the
+memory probe's settings make a step 2-3x slower than training's (:func:`run_measure`). Models are
+cached per topology: two probe processes per topology met (four with ``--time-s``); without a time
+budget each probe times one step instead of three. A probe of another (shallower)
 topology does not transfer, because its levels hold other maps and channels.
 """
 
@@ -130,16 +134,26 @@ def run_measure(
     device: str,
     classes: int,
     steps: int = 1,
+    wall_clock: bool = False,
 ) -> dict[str, Any]:
-    """One :mod:`medseg.kernels.measure` run in a fresh process (the only honest peak; docs/design.md)."""
+    """One :mod:`medseg.kernels.measure` run in a fresh process (the only honest peak; docs/design.md).
+
+    By default the run is set up for memory and CPU seconds: one thread and every large allocation
+    mmap'd (``MALLOC_MMAP_THRESHOLD_``). Both slow a step down against training (measured on the
+    2-core CPU machine at 40 x 56 x 40 x 2: the mmap threshold alone adds about 60% CPU, one thread
+    against two about 2x wall), so ``wall_clock`` runs the step as ``medseg train`` does instead:
+    torch's default threads and glibc's own allocator; its ``step_s`` is then the training step's
+    wall time and its memory figures are not used."""
     cmd = [sys.executable, "-m", "medseg.kernels.measure", "--net", "unet", "--variant", variant]
     cmd += ["--shape", *map(str, shape), "--batch", str(batch), "--steps", str(steps), "--device", device]
     cmd += ["--classes", str(classes), "--net-def", json.dumps(net_def)]
-    if device == "cpu":
-        # One thread: process CPU time is then the step's own work; idle OpenMP threads spinning on a
-        # shared, loaded machine would count as CPU time and make the time fit noise.
-        cmd += ["--threads", "1"]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = dict(os.environ)
+    if not wall_clock:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        if device == "cpu":
+            # One thread: process CPU time is then the step's own work; idle OpenMP threads spinning on a
+            # shared, loaded machine would count as CPU time and make the time fit noise.
+            cmd += ["--threads", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -257,7 +271,14 @@ class MemoryModels:
         # without a time budget one timed step is enough (the step time fit is then unused)
         r = run_measure(nd, shape, 2, self.variant, self.device, self.classes, steps=3 if self.timed else 1)
         self.runs += 1
-        return Probe(shape, 2, r["params"], r["peak_bytes"], r["static_bytes"], r["step_s"], r["step_cpu_s"])
+        step_s = r["step_s"]
+        if self.timed and not self.cpu_time:
+            # a budget in wall seconds (--time-s): the step timed as training runs it, in a second process
+            step_s = run_measure(
+                nd, shape, 2, self.variant, self.device, self.classes, steps=3, wall_clock=True
+            )["step_s"]
+            self.runs += 1
+        return Probe(shape, 2, r["params"], r["peak_bytes"], r["static_bytes"], step_s, r["step_cpu_s"])
 
     def log_fits(self) -> None:
         """Log every model measured so far (when no patch fits the budget)."""

@@ -297,3 +297,38 @@ def test_a_time_budget_without_steps_fills_with_steps(seg_data: Path) -> None:
     assert steps > DEFAULT_STEPS["cpu"]
     fixed = plan(seg_data, memory_gb=0.02, device="cpu", time_s=budget_s, steps=1000, name="fixed")
     assert int(fixed.comments["train.epochs"].split(" steps")[0]) == 1000
+
+
+@pytest.mark.parametrize("wall_budget", [True, False])
+def test_a_wall_time_budget_times_the_step_as_training_runs_it(
+    monkeypatch: pytest.MonkeyPatch, wall_budget: bool
+) -> None:
+    """The memory probe runs one thread with every large allocation mmap'd, 2-3x slower than training;
+    under ``--time-s`` the step time must come from the second, training-like run, the memory from the
+    first. A CPU-seconds budget (the demo anchor's) keeps the memory probe's own time."""
+    from medseg.planning import memory_model
+    from medseg.planning.rules import DEMO_MODEL
+
+    calls: list[bool] = []
+
+    def fake_measure(nd, shape, batch, variant, device, classes, steps=1, wall_clock=False):  # noqa: ANN001, ANN202
+        calls.append(wall_clock)
+        vox = batch * math.prod(shape)
+        return {
+            "params": 1000,
+            "peak_bytes": 100 * vox + 10_000,
+            "static_bytes": 0,
+            "step_s": (1e-6 if wall_clock else 4e-6) * vox,
+            "step_cpu_s": 3e-6 * vox,
+        }
+
+    monkeypatch.setattr(memory_model, "run_measure", fake_measure)
+    base = config_from_dict({"name": "t", "data": {"dir": "."}, "model": DEMO_MODEL}).to_dict()
+    models = memory_model.MemoryModels(
+        base, "unet", "cpu", classes=3, fused=False, cpu_time=not wall_budget, timed=True
+    )
+    mm, _ = models.get([32, 32, 32], [1.0, 1.0, 1.0])
+    assert calls.count(True) == (2 if wall_budget else 0) and calls.count(False) == 2
+    vox = 2 * 32**3
+    assert mm.step_s(vox) == pytest.approx((1e-6 if wall_budget else 3e-6) * vox, rel=1e-3)
+    assert mm.b == pytest.approx(100, rel=1e-6)  # memory from the memory probe either way
