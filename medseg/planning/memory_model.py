@@ -73,6 +73,7 @@ class MemoryModel:
     c: float = 0.0
     k: float = 0.0
     t0: float = 0.0
+    data_k: float = 0.0  # seconds per batch voxel of drawing the patches (medseg.planning.data_time)
 
     def fit(self) -> MemoryModel:
         x = np.array([p.batch * math.prod(p.shape) for p in self.probes], dtype=np.float64)
@@ -95,7 +96,7 @@ class MemoryModel:
         return self.step_peak(params, voxels) + 12 * params + 8 * voxels
 
     def step_s(self, voxels: int) -> float:
-        return max(self.t0 + self.k * voxels, 1e-6)
+        return max(self.t0 + (self.k + self.data_k) * voxels, 1e-6)
 
     def describe(self, params: int, vox: int, budget: float) -> str:
         """The probes, the fit and the prediction at ``vox`` batch voxels, in words (the plan's reason)."""
@@ -229,8 +230,10 @@ class MemoryModels:
         fused: bool,
         cpu_time: bool,
         timed: bool = True,
+        data_k: float = 0.0,
     ) -> None:
         self.base, self.net, self.device, self.classes = base, net, device, classes
+        self.data_k = data_k  # added to every model's step time (a wall-time budget's patch drawing)
         self.variant = "fused" if fused else "baseline"
         self.cpu_time, self.timed = cpu_time, timed
         self.models: dict[str, MemoryModel] = {}
@@ -255,7 +258,9 @@ class MemoryModels:
         key = json.dumps(nd, sort_keys=True)
         if key not in self.models:
             probes = [self._probe(nd, shape) for shape in probe_shapes(patch, total_stride(nd))]
-            self.models[key] = MemoryModel(self.variant, probes, self.cpu_time, topology_text(nd)).fit()
+            self.models[key] = MemoryModel(
+                self.variant, probes, self.cpu_time, topology_text(nd), data_k=self.data_k
+            ).fit()
             self.params[key] = probes[0].params
         return self.models[key], self.count_params(nd)
 

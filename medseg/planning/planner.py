@@ -183,7 +183,12 @@ def _plan_segmentation(
     classes = len(fp["labels"])
     n_train = max(1, int(round(fp["num_cases"] * 0.8)))
     timed = budget.demo or bool(budget.time_s)
-    models = MemoryModels(base, net, device, classes, fused, budget.demo, timed)
+    data_k = 0.0
+    if budget.time_s and not budget.demo:  # wall seconds: the step includes drawing its patches
+        from medseg.planning.data_time import data_s_per_voxel
+
+        data_k = data_s_per_voxel(base, [max(8, round(m)) for m in median_at(fp, spacing)])
+    models = MemoryModels(base, net, device, classes, fused, budget.demo, timed, data_k)
     _time_per_step(budget, base, classes, device)
     fit = _search(fp, net, device, spacing, models, budget)
     if fit.coarsened:
@@ -369,7 +374,8 @@ def _time_text(mm: MemoryModel, vox: int, budget: Budget) -> str | None:
         )
     if budget.per_step is not None:
         return (
-            f"measured step time fit t = {mm.t0:.3f} + {mm.k * 1e6:.4f}e-6 x batch voxels s: "
+            f"measured step time fit t = {mm.t0:.3f} + {mm.k * 1e6:.4f}e-6 x batch voxels s, plus "
+            f"{mm.data_k * 1e6:.4f}e-6 x batch voxels s drawing the patches (medseg.planning.data_time): "
             f"{step_s:.3f} s/step x {steps} steps = {step_s * steps:.0f} s of the "
             f"{budget.time_s:.0f} s budget ({TRAIN_SHARE:.0%} for steps)"
         )

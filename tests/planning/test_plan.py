@@ -295,6 +295,11 @@ def test_a_time_budget_without_steps_fills_with_steps(seg_data: Path) -> None:
     steps = int(p.comments["train.epochs"].split(" steps")[0])
     assert steps == int(TRAIN_SHARE * budget_s / p.predicted_step_s)
     assert steps > DEFAULT_STEPS["cpu"]
+    # the step includes drawing its patches, measured on the dataset's cases (medseg.planning.data_time)
+    mm, vox = p.memory, p.config["train"]["batch_size"] * p.config["transforms"]["num_samples"]
+    vox *= math.prod(p.config["transforms"]["patch"])
+    assert mm.data_k > 0 and p.predicted_step_s == pytest.approx(mm.t0 + (mm.k + mm.data_k) * vox)
+    assert "drawing the patches" in p.comments["time"]
     fixed = plan(seg_data, memory_gb=0.02, device="cpu", time_s=budget_s, steps=1000, name="fixed")
     assert int(fixed.comments["train.epochs"].split(" steps")[0]) == 1000
 
