@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -29,6 +30,7 @@ import torch
 
 from medseg.config import Config
 from medseg.distributed import emulation, sync_checkpoint
+from medseg.distributed.background import InBackground
 from medseg.distributed.comm import audit, auth
 from medseg.distributed.comm.checks import (
     check_local_norm,
@@ -56,6 +58,7 @@ log = logging.getLogger(__name__)
 
 MAX_WAN_FACTOR = 64  # longest round, in multiples of the speed-ratio round
 PROFILE_BLOCK_S = 0.4  # shortest timed block when measuring a rank's speed (several CPU-quota periods)
+MAX_EXCHANGE_S = 3600.0  # a timed round exchange longer than this is no measurement
 
 
 class HorovodSession(LocalSession):
@@ -192,61 +195,38 @@ class HorovodSession(LocalSession):
         With ``dist.hide_wan`` (gssp/ssp, periods measured, several groups, ``model`` given) the
         leaders also time one cross-group exchange of ``model``'s round payload and every round is
         lengthened by :meth:`_wan_factor`.
+
+        Where the groups follow from what every rank already holds (one per host, or one per rank
+        for ssp), their connections and the timed exchange run on a background thread while the
+        ranks are profiled: the one waits on the WAN's round trips, the other on compute, and they
+        use disjoint Gloo contexts (the groups' own; profiling uses the channel's world).
         """
         d = self.dist
         self.phase("profile")
         tic = time.perf_counter()
+        profiles = d.sync in ("gssp", "ssp") and not d.periods
+        early = self._groups_without_speeds() if profiles else None
+        connecting = None
+        if early is not None:
+            self.groups = early
+            connecting = InBackground(self._connect_groups, self._hides_wan(model))
+        if profiles:
+            tic = self._profile(profile_step, tic)
+        if early is None:
+            self.groups = self._agreed_groups()
         if d.sync in ("gssp", "ssp", "local-sgd"):
-            if d.sync != "local-sgd" and not d.periods:
-                # All ranks are timed at once, after a barrier, under the same load as training
-                # itself; the median of several steps resists one-off stalls.
-                self.channel.barrier()
-                tic = self._startup_phase("profile_barrier", tic)
-                mine = self._time_steps(profile_step, d.profile_steps)
-                tic = self._startup_phase("profile_steps", tic)
-                self.speeds = check_speeds(
-                    self.channel.gather_json(mine, "speed", kind="metrics"),
-                    [self.channel.describe(r) for r in range(self.size)],
-                    own=self.rank,
-                )
-                tic = self._startup_phase("profile_gather", tic)
-            if d.sync == "ssp":
-                groups = [[r] for r in range(self.size)]
-            elif d.groups:
-                groups = parse_groups(d.groups, self.size)
-            elif d.group_by == "host" or d.sync == "local-sgd":
-                groups = self._groups_by_host()
-            else:
-                groups = choose_groups(self.speeds, k=d.num_groups or None)
-            # Every rank must agree on the groups: rank 0's decision is the one used.
-            self.groups = self._checked_groups(self.channel.broadcast_json(groups, "groups"))
-            if d.periods:
-                if len(d.periods) != len(self.groups) or min(d.periods) < 1:
-                    raise ConfigError(
-                        f"dist.periods: {d.periods} must give steps >= 1 for each of the {len(self.groups)} groups {self.groups}"
-                    )
-                self.periods = list(d.periods)
-            elif self.speeds:
-                self.periods = self._periods(self.speeds)
-            else:
-                self.periods = [1] * len(self.groups)
+            self._set_periods()
         self.group_index = next(i for i, g in enumerate(self.groups) if self.rank in g)
         tic = self._startup_phase("groups_agreed", tic)
-        self.channel.set_groups(self.groups)
-        tic = self._startup_phase("group_connections", tic)
         self.base_periods = list(self.periods)
-        if (
-            d.sync in ("gssp", "ssp")
-            and d.hide_wan
-            and not d.periods
-            and self.speeds
-            and len(self.groups) > 1
-            and model is not None
-        ):
-            self.exchange_s = self._time_exchange(model)
+        if connecting is not None:
+            self.exchange_s = connecting.result()
+            self._startup_phase("groups_joined", tic)
+        else:
+            self.exchange_s = self._connect_groups(self._hides_wan(model))
+        if self.exchange_s is not None:
             self.wan_factor = self._wan_factor(self.exchange_s)
             self.periods = [p * self.wan_factor for p in self.base_periods]
-            self._startup_phase("exchange_timed", tic)
         self.report({"ev": "startup", **self.startup})
         if self.is_chief:
             log.info(
@@ -260,6 +240,79 @@ class HorovodSession(LocalSession):
                 round(self.exchange_s, 3) if self.exchange_s is not None else "not measured",
             )
 
+    def _groups_without_speeds(self) -> list[list[int]] | None:
+        """The groups when they follow from what every rank holds alike (the gathered host names, the
+        job's size): one per rank for ssp, one per host by default; ``None`` when rank 0 decides."""
+        d = self.dist
+        if d.sync == "ssp":
+            return [[r] for r in range(self.size)]
+        if not d.groups and d.group_by == "host":
+            return self._groups_by_host()
+        return None
+
+    def _hides_wan(self, model: torch.nn.Module | None) -> torch.nn.Module | None:
+        """``model`` when the leaders time a round's exchange to lengthen the rounds, else ``None``."""
+        d = self.dist
+        timed = d.sync in ("gssp", "ssp") and d.hide_wan and not d.periods and len(self.groups) > 1
+        return model if timed else None
+
+    def _profile(self, profile_step: Callable[[], int], tic: float) -> float:
+        """Every rank's samples/s into ``self.speeds``: all ranks timed at once, after a barrier,
+        under the same load as training itself; the median of several steps resists one-off stalls."""
+        self.channel.barrier()
+        tic = self._startup_phase("profile_barrier", tic)
+        mine = self._time_steps(profile_step, self.dist.profile_steps)
+        tic = self._startup_phase("profile_steps", tic)
+        self.speeds = check_speeds(
+            self.channel.gather_json(mine, "speed", kind="metrics"),
+            [self.channel.describe(r) for r in range(self.size)],
+            own=self.rank,
+        )
+        return self._startup_phase("profile_gather", tic)
+
+    def _agreed_groups(self) -> list[list[int]]:
+        """The groups when rank 0 decides them (explicit, by speed, or by host for local-sgd and
+        fixed periods): every rank must agree, so rank 0's are the ones used. Other modes keep one
+        group of every rank."""
+        d = self.dist
+        if d.sync not in ("gssp", "ssp", "local-sgd"):
+            return self.groups
+        if d.sync == "ssp":
+            groups = [[r] for r in range(self.size)]
+        elif d.groups:
+            groups = parse_groups(d.groups, self.size)
+        elif d.group_by == "host" or d.sync == "local-sgd":
+            groups = self._groups_by_host()
+        else:
+            groups = choose_groups(self.speeds, k=d.num_groups or None)
+        return self._checked_groups(self.channel.broadcast_json(groups, "groups"))
+
+    def _set_periods(self) -> None:
+        """Steps per round of each group: the config's, by measured speed, or one each."""
+        d = self.dist
+        if d.periods:
+            if len(d.periods) != len(self.groups) or min(d.periods) < 1:
+                raise ConfigError(
+                    f"dist.periods: {d.periods} must give steps >= 1 for each of the {len(self.groups)} groups {self.groups}"
+                )
+            self.periods = list(d.periods)
+        elif self.speeds:
+            self.periods = self._periods(self.speeds)
+        else:
+            self.periods = [1] * len(self.groups)
+
+    def _connect_groups(self, timed_model: torch.nn.Module | None) -> float | None:
+        """Build the channel's groups for ``self.groups``; with ``timed_model``, also time one round
+        exchange (:meth:`_time_exchange`). Its phases are recorded under their own names."""
+        tic = time.perf_counter()
+        self.channel.set_groups(self.groups)
+        tic = self._startup_phase("group_connections", tic)
+        if timed_model is None:
+            return None
+        exchange_s = self._time_exchange(timed_model)
+        self._startup_phase("exchange_timed", tic)
+        return exchange_s
+
     def _checked_groups(self, groups: list[list[int]]) -> list[list[int]]:
         """Rank 0's groups, refused unless they partition the job's ranks."""
         every = sorted(r for g in groups for r in g)
@@ -270,31 +323,35 @@ class HorovodSession(LocalSession):
         return groups
 
     def _time_exchange(self, model: torch.nn.Module) -> float:
-        """Seconds one cross-group round exchange takes: rank 0's slower of 2 after a warm-up.
+        """Seconds one cross-group round exchange takes, as rank 0 timed it; every rank gets it.
 
         The leaders run exactly the collective a round runs, on the leaders' group, with the
         round's payload: an allgather of the float32 parameter delta, or (``compression: fixed`` or
-        ``topk``) of its encoded bytes. Every rank gets rank 0's figure. The bytes sent are
-        counted in ``setup_wan_bytes`` (with the initial model broadcast; reported with the first
+        ``topk``) of its encoded bytes. It is timed once, cold: a round comes seconds after the
+        last one, so its TCP connections restart from the initial window as this one does. Rank 0's
+        figure then goes to the other leaders (leaders' group) and on to their members (own group),
+        so it never uses the channel's world, which profiling may be using meanwhile. The bytes sent
+        are counted in ``setup_wan_bytes`` (with the initial model broadcast; reported with the first
         epoch).
         """
         from medseg.distributed.comm.round_codecs import round_codec
 
-        sizes = [p.numel() for p in model.parameters() if p.requires_grad]
-        times: list[float] = []
-        pg = self.channel.leaders_pg
-        if pg is not None:
+        seconds = torch.zeros(1, dtype=torch.float64)
+        if self.channel.leaders_pg is not None:
             d = self.dist
+            sizes = [p.numel() for p in model.parameters() if p.requires_grad]
             codec = round_codec(d.compression, sizes, d.bits, d.topk_fraction, d.topk_bits)
             mine = torch.zeros(sum(sizes)) if codec is None else torch.zeros(codec.nbytes, dtype=torch.uint8)
-            n_groups = len(self.groups)
-            for i in range(3):
-                tic = time.perf_counter()
-                pg.allgather([torch.empty_like(mine) for _ in self.groups], mine)
-                self.setup_wan_bytes += (n_groups - 1) * mine.numel() * mine.element_size()  # ring allgather
-                if i:
-                    times.append(time.perf_counter() - tic)
-        return float(self.channel.broadcast_json(max(times) if times else 0.0, "seconds"))
+            tic = time.perf_counter()
+            self.channel.leaders_pg.allgather([torch.empty_like(mine) for _ in self.groups], mine)
+            seconds[0] = time.perf_counter() - tic
+            self.setup_wan_bytes += (len(self.groups) - 1) * mine.numel() * mine.element_size()  # ring
+            self.channel.leaders_pg.broadcast_(seconds, 0)
+        self.channel.group_broadcast(seconds)
+        value = float(seconds[0])
+        if not math.isfinite(value) or not 0.0 <= value <= MAX_EXCHANGE_S:
+            raise refuse_update(self.channel.describe(0), "seconds", f"{value} is no exchange time")
+        return value
 
     def _wan_factor(self, exchange_s: float) -> int:
         """:func:`~medseg.distributed.sync.groups.wan_round_factor` for the measured speeds and exchange."""
