@@ -49,6 +49,7 @@ from medseg.distributed.sync.groups import (
     fit_wan_factor,
     parse_groups,
     profile_throughput,
+    scale_periods,
     static_share,
     wan_round_factor,
 )
@@ -116,6 +117,7 @@ class HorovodSession(LocalSession):
         self.groups: list[list[int]] = [list(range(self.size))]
         self.periods = [1]
         self.base_periods = [1]
+        self.ratios = [1.0]  # each group's speed over the slowest's: rounds' lengths before rounding
         self.wan_factor = 1
         self.exchange_s: float | None = None
         self.setup_wan_bytes = 0
@@ -226,7 +228,7 @@ class HorovodSession(LocalSession):
             self.exchange_s = self._connect_groups(self._hides_wan(model))
         if self.exchange_s is not None:
             self.wan_factor = self._wan_factor(self.exchange_s)
-            self.periods = [p * self.wan_factor for p in self.base_periods]
+            self.periods = scale_periods(self.ratios, self.wan_factor)
         self.report({"ev": "startup", **self.startup})
         if self.is_chief:
             log.info(
@@ -295,11 +297,12 @@ class HorovodSession(LocalSession):
                 raise ConfigError(
                     f"dist.periods: {d.periods} must give steps >= 1 for each of the {len(self.groups)} groups {self.groups}"
                 )
-            self.periods = list(d.periods)
+            self.ratios = [float(p) for p in d.periods]
         elif self.speeds:
-            self.periods = self._periods(self.speeds)
+            self.ratios = self._speed_ratios(self.speeds)
         else:
-            self.periods = [1] * len(self.groups)
+            self.ratios = [1.0] * len(self.groups)
+        self.periods = scale_periods(self.ratios, 1)
 
     def _connect_groups(self, timed_model: torch.nn.Module | None) -> float | None:
         """Build the channel's groups for ``self.groups``; with ``timed_model``, also time one round
@@ -356,7 +359,7 @@ class HorovodSession(LocalSession):
     def _wan_factor(self, exchange_s: float) -> int:
         """:func:`~medseg.distributed.sync.groups.wan_round_factor` for the measured speeds and exchange."""
         per_rank = [sum(self.speeds[r] for r in g) / len(g) for g in self.groups]
-        return wan_round_factor(exchange_s, self.base_periods, per_rank, self.probe_samples, MAX_WAN_FACTOR)
+        return wan_round_factor(exchange_s, self.ratios, per_rank, self.probe_samples, MAX_WAN_FACTOR)
 
     def _groups_by_host(self) -> list[list[int]]:
         """One group per host, in order of each host's lowest rank."""
@@ -365,10 +368,11 @@ class HorovodSession(LocalSession):
             by_host.setdefault(h, []).append(r)
         return sorted(by_host.values(), key=min)
 
-    def _periods(self, speeds: list[float]) -> list[int]:
-        """Steps per round of each group: its mean per-rank speed over the slowest group's, rounded."""
+    def _speed_ratios(self, speeds: list[float]) -> list[float]:
+        """Each group's mean per-rank speed over the slowest group's (its round's length in steps,
+        before rounding: :func:`~medseg.distributed.sync.groups.scale_periods`)."""
         per_rank = [sum(speeds[r] for r in g) / len(g) for g in self.groups]
-        return [max(1, round(v / min(per_rank))) for v in per_rank]
+        return [v / min(per_rank) for v in per_rank]
 
     def _time_steps(self, profile_step: Callable[[], int], blocks: int) -> float:
         """This rank's samples/s by :func:`~medseg.distributed.sync.groups.profile_throughput`.
@@ -404,23 +408,21 @@ class HorovodSession(LocalSession):
             return site_share(self.rank_sites, self.site_cases, periods, batch_size, self.rank, seed)
 
         d = self.dist
-        m = fit_wan_factor(
-            self.wan_factor, n_items, self.groups, self.base_periods, batch_size, d.min_epoch_rounds
-        )
+        m = fit_wan_factor(self.wan_factor, n_items, self.groups, self.ratios, batch_size, d.min_epoch_rounds)
         need = min(d.min_epoch_rounds, epoch_rounds(n_items, self.groups, self.base_periods, batch_size))
         if m != self.wan_factor:
             if self.is_chief:
                 log.warning(
                     "rounds of %s steps would leave fewer than %d rounds in an epoch of %d cases "
                     "(dist.min_epoch_rounds, or as many as its base rounds give): WAN factor %d lowered to %d",
-                    [p * self.wan_factor for p in self.base_periods],
+                    scale_periods(self.ratios, self.wan_factor),
                     need,
                     n_items,
                     self.wan_factor,
                     m,
                 )
             self.wan_factor = m
-            self.periods = [p * m for p in self.base_periods]
+            self.periods = scale_periods(self.ratios, m)
         return static_share(n_items, self.groups, self.periods, batch_size, self.rank, seed)
 
     def share_state(self, state: Any) -> Any:

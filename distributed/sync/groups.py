@@ -414,6 +414,23 @@ def wan_round_factor(
     return max(1, min(max_factor, math.ceil(exchange_s / compute)))
 
 
+def scale_periods(ratios: Sequence[float], factor: int) -> list[int]:
+    """Steps per round of each group when every round is lengthened by ``factor``:
+
+        p_g = max(1, round(m · r_g)),   r_g = v_g / min_h v_h,
+
+    r_g the group's per-rank speed over the slowest group's (or a configured period), m the WAN
+    factor. Rounding after scaling, not before, keeps a round's compute time c_g = p_g · n / v_g
+    nearly equal across groups: at speed ratios 1.5 : 1.33 : 1 and m = 16, rounds of
+    24 : 21 : 16 steps take the same time, where rounding first (2 : 1 : 1, times 16) makes the
+    fastest group's round a third longer than the slowest's and leaves the others idle that long
+    in every round.
+    """
+    if factor < 1 or not ratios or min(ratios) <= 0:
+        raise ValueError(f"scale_periods: ratios {list(ratios)}, factor {factor}")
+    return [max(1, round(r * factor)) for r in ratios]
+
+
 def epoch_rounds(
     n_samples: int, groups: Sequence[Sequence[int]], periods: Sequence[int], batch_size: int
 ) -> int:
@@ -431,21 +448,22 @@ def fit_wan_factor(
     factor: int,
     n_samples: int,
     groups: Sequence[Sequence[int]],
-    base_periods: Sequence[int],
+    ratios: Sequence[float],
     batch_size: int,
     min_rounds: int,
 ) -> int:
-    """The largest m <= ``factor`` whose rounds (``base_periods`` times m) leave an epoch at least
-    ``min_rounds`` rounds (:func:`epoch_rounds`), or as many as the base periods give; 1 at least.
+    """The largest m <= ``factor`` whose rounds (:func:`scale_periods` of ``ratios`` by m) leave an
+    epoch at least ``min_rounds`` rounds (:func:`epoch_rounds`), or as many as rounds at m = 1
+    give; 1 at least.
 
     A round boundary is where the groups' models meet; longer rounds mean fewer meetings per epoch
     and a longer drift between them, so the WAN factor of :func:`wan_round_factor` is capped here.
     """
     if min_rounds < 1:
         raise ValueError(f"fit_wan_factor: min_rounds must be >= 1, got {min_rounds}")
-    need = min(min_rounds, epoch_rounds(n_samples, groups, base_periods, batch_size))
+    need = min(min_rounds, epoch_rounds(n_samples, groups, scale_periods(ratios, 1), batch_size))
     m = max(1, factor)
-    while m > 1 and epoch_rounds(n_samples, groups, [p * m for p in base_periods], batch_size) < need:
+    while m > 1 and epoch_rounds(n_samples, groups, scale_periods(ratios, m), batch_size) < need:
         m -= 1
     return m
 

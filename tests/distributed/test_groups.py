@@ -19,6 +19,7 @@ from medseg.distributed.sync.groups import (
     parse_groups,
     profile_throughput,
     rank_share_indices,
+    scale_periods,
     static_share,
     steps_per_epoch,
     wan_round_factor,
@@ -357,3 +358,19 @@ def test_straggler_noop_and_errors() -> None:
     assert Straggler.for_rank("2:3.0", rank=2).factor == 3.0
     assert Straggler.for_rank("2:3.0", rank=1).factor == 1.0
     assert Straggler.for_rank(None, rank=0).factor == 1.0
+
+
+def test_scaled_rounds_take_equal_time_where_rounding_first_makes_the_fast_site_straggle() -> None:
+    # three sites at 0.45, 0.40 and 0.30 core per rank: speeds 1.5 : 1.33 : 1
+    speeds = [4.5, 4.0, 3.0]
+    ratios = [v / min(speeds) for v in speeds]
+    assert scale_periods(ratios, 1) == [2, 1, 1]  # no WAN factor: as before
+    periods = scale_periods(ratios, 16)
+    assert periods == [24, 21, 16]
+    round_s = [p / v for p, v in zip(periods, speeds)]  # seconds of one round's compute per group
+    assert max(round_s) / min(round_s) < 1.02
+    first = [p * 16 for p in scale_periods(ratios, 1)]  # rounding before scaling: 32, 16, 16
+    assert max(p / v for p, v in zip(first, speeds)) / min(round_s) > 1.3
+    assert scale_periods([1.0, 0.01], 2) == [2, 1]  # never a round of no steps
+    with pytest.raises(ValueError):
+        scale_periods([1.0, 0.0], 4)
