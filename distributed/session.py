@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import socket
 import time
@@ -41,6 +40,7 @@ from medseg.distributed.comm.checks import (
     refuse_update,
 )
 from medseg.distributed.epoch_numbers import job_numbers, rank_numbers
+from medseg.distributed.exchange_timing import time_round_exchange
 from medseg.distributed.launch.heartbeat import BeatClient
 from medseg.distributed.local_session import LocalSession
 from medseg.distributed.sync.groups import (
@@ -59,7 +59,6 @@ log = logging.getLogger(__name__)
 
 MAX_WAN_FACTOR = 64  # longest round, in multiples of the speed-ratio round
 PROFILE_BLOCK_S = 0.4  # shortest timed block when measuring a rank's speed (several CPU-quota periods)
-MAX_EXCHANGE_S = 3600.0  # a timed round exchange longer than this is no measurement
 
 
 class HorovodSession(LocalSession):
@@ -306,13 +305,14 @@ class HorovodSession(LocalSession):
 
     def _connect_groups(self, timed_model: torch.nn.Module | None) -> float | None:
         """Build the channel's groups for ``self.groups``; with ``timed_model``, also time one round
-        exchange (:meth:`_time_exchange`). Its phases are recorded under their own names."""
+        exchange (:func:`~medseg.distributed.exchange_timing.time_round_exchange`). Its phases are recorded under their own names."""
         tic = time.perf_counter()
         self.channel.set_groups(self.groups)
         tic = self._startup_phase("group_connections", tic)
         if timed_model is None:
             return None
-        exchange_s = self._time_exchange(timed_model)
+        exchange_s, sent = time_round_exchange(self.channel, len(self.groups), self.dist, timed_model)
+        self.setup_wan_bytes += sent  # reported with the first epoch, with the initial model broadcast
         self._startup_phase("exchange_timed", tic)
         return exchange_s
 
@@ -324,37 +324,6 @@ class HorovodSession(LocalSession):
                 self.channel.describe(0), "groups", f"{groups} do not hold each of the {self.size} ranks once"
             )
         return groups
-
-    def _time_exchange(self, model: torch.nn.Module) -> float:
-        """Seconds one cross-group round exchange takes, as rank 0 timed it; every rank gets it.
-
-        The leaders run exactly the collective a round runs, on the leaders' group, with the
-        round's payload: an allgather of the float32 parameter delta, or (``compression: fixed`` or
-        ``topk``) of its encoded bytes. It is timed once, cold: a round comes seconds after the
-        last one, so its TCP connections restart from the initial window as this one does. Rank 0's
-        figure then goes to the other leaders (leaders' group) and on to their members (own group),
-        so it never uses the channel's world, which profiling may be using meanwhile. The bytes sent
-        are counted in ``setup_wan_bytes`` (with the initial model broadcast; reported with the first
-        epoch).
-        """
-        from medseg.distributed.comm.round_codecs import round_codec
-
-        seconds = torch.zeros(1, dtype=torch.float64)
-        if self.channel.leaders_pg is not None:
-            d = self.dist
-            sizes = [p.numel() for p in model.parameters() if p.requires_grad]
-            codec = round_codec(d.compression, sizes, d.bits, d.topk_fraction, d.topk_bits)
-            mine = torch.zeros(sum(sizes)) if codec is None else torch.zeros(codec.nbytes, dtype=torch.uint8)
-            tic = time.perf_counter()
-            self.channel.leaders_pg.allgather([torch.empty_like(mine) for _ in self.groups], mine)
-            seconds[0] = time.perf_counter() - tic
-            self.setup_wan_bytes += (len(self.groups) - 1) * mine.numel() * mine.element_size()  # ring
-            self.channel.leaders_pg.broadcast_(seconds, 0)
-        self.channel.group_broadcast(seconds)
-        value = float(seconds[0])
-        if not math.isfinite(value) or not 0.0 <= value <= MAX_EXCHANGE_S:
-            raise refuse_update(self.channel.describe(0), "seconds", f"{value} is no exchange time")
-        return value
 
     def _wan_factor(self, exchange_s: float) -> int:
         """:func:`~medseg.distributed.sync.groups.wan_round_factor` for the measured speeds and exchange."""
@@ -372,7 +341,8 @@ class HorovodSession(LocalSession):
         """Each group's mean per-rank speed over the slowest group's (its round's length in steps,
         before rounding: :func:`~medseg.distributed.sync.groups.scale_periods`)."""
         per_rank = [sum(speeds[r] for r in g) / len(g) for g in self.groups]
-        return [v / min(per_rank) for v in per_rank]
+        ratios = [v / min(per_rank) for v in per_rank]
+        return ratios if self.dist.balance_rounds else [float(max(1, round(r))) for r in ratios]
 
     def _time_steps(self, profile_step: Callable[[], int], blocks: int) -> float:
         """This rank's samples/s by :func:`~medseg.distributed.sync.groups.profile_throughput`.

@@ -130,6 +130,9 @@ class DistConfig:
     # gssp/ssp with measured periods: lengthen every group's round by one factor so that a round's
     # compute covers the measured cross-group exchange (the WAN), see HorovodSession._wan_factor
     hide_wan: bool = True
+    # ... rounding each group's speed ratio after that factor (rounds of about equal compute time
+    # everywhere); false rounds the ratio first and multiplies (the fastest site may straggle)
+    balance_rounds: bool = True
     # ... but never so long that an epoch holds fewer rounds than this: each round boundary is where
     # the sites' models meet, and fewer meetings per epoch cost held-out Dice (docs/design.md);
     # not applied with site-local data (sites:)

@@ -24,9 +24,10 @@ Setting, every part measured or stated:
 - **Configs** (:data:`CONFIGS`): the peers bsp-hier, fedavg and diloco, and gssp, gssp-fixed4,
   gssp-topk1 and gssp-fixed4-nesterov (its rounds through DiLoCo's outer step, diloco's outer lr
   and momentum), all on medseg's channel, with the same data, model, optimiser, seeds and epochs
-  (:data:`DEFAULT_CONFIGS`). Three more change one lever of gssp-fixed4 each, for ablations
-  named with ``--configs``: FedNova's step normalisation, DC-ASGD per site (λ = 1, not tuned), and
-  the momentum zeroed after each round.
+  (:data:`DEFAULT_CONFIGS`). Four more change one lever of gssp-fixed4 each, for ablations
+  named with ``--configs``: FedNova's step normalisation, DC-ASGD per site (λ = 1, not tuned),
+  the momentum zeroed after each round, and rounds whose speed ratio is rounded before the WAN
+  factor scales it (``balance_rounds: false``, the rule before the seventeenth session).
 - **bsp-hier on the dilated WAN** is exact synchronous SGD: its Dice after a given number of
   steps does not depend on the link, only its time does. Each of its steps crosses the WAN, so a
   full run there would take hours; it runs in full on the no-WAN control (``hippo3-lan``), and on
@@ -112,6 +113,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "normalize_steps": True,
     },
     "gssp-fixed4-dc": {"sync": "gssp", "staleness": 2, "compression": "fixed", "bits": 4, "dc_lambda": 1.0},
+    "gssp-fixed4-unbalanced": {
+        "sync": "gssp",
+        "staleness": 2,
+        "compression": "fixed",
+        "bits": 4,
+        "balance_rounds": False,
+    },
     "gssp-fixed4-reset": {
         "sync": "gssp",
         "staleness": 2,
