@@ -278,14 +278,14 @@ class HorovodSession(LocalSession):
         d = self.dist
         if d.sync not in ("gssp", "ssp", "local-sgd"):
             return self.groups
-        if d.sync == "ssp":
-            groups = [[r] for r in range(self.size)]
-        elif d.groups:
-            groups = parse_groups(d.groups, self.size)
-        elif d.group_by == "host" or d.sync == "local-sgd":
-            groups = self._groups_by_host()
-        else:
-            groups = choose_groups(self.speeds, k=d.num_groups or None)
+        groups = self._groups_without_speeds()
+        if groups is None:
+            if d.groups:
+                groups = parse_groups(d.groups, self.size)
+            elif d.sync == "local-sgd":
+                groups = self._groups_by_host()
+            else:
+                groups = choose_groups(self.speeds, k=d.num_groups or None)
         return self._checked_groups(self.channel.broadcast_json(groups, "groups"))
 
     def _set_periods(self) -> None:
