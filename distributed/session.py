@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 
 from medseg.config import Config
-from medseg.distributed import emulation, sync_checkpoint
+from medseg.distributed import channel_startup, emulation, sync_checkpoint
 from medseg.distributed.background import InBackground
 from medseg.distributed.comm import audit, auth
 from medseg.distributed.comm.checks import (
@@ -67,8 +66,6 @@ class HorovodSession(LocalSession):
     def __init__(self, cfg: Config) -> None:
         import horovod.torch as hvd
 
-        from medseg.distributed.comm.channel import Channel
-
         if os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR") and not hvd.gloo_built():
             # the launcher's horovodrun leaves this question to the ranks (medseg.distributed.launch.hvdrun)
             raise RunError(
@@ -88,18 +85,21 @@ class HorovodSession(LocalSession):
         os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(int(cfg.dist.timeout_s) // 2, 1)))
         os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = "0"
         self.startup: dict[str, float] = {}  # seconds of each start-up phase, in order
+        assert secret is not None
+        opening = channel_startup.start_beside_horovod(cfg.dist.timeout_s, secret)
         tic = time.perf_counter()
         hvd.init()
         self.rank, self.size = hvd.rank(), hvd.size()
         self.is_chief = self.rank == 0
         tic = self._startup_phase("horovod_init", tic)
-        self.channel = Channel(hvd, cfg.dist.timeout_s, secret)
-        self.startup.update(self.channel.startup)
-        tic = time.perf_counter()
-        self.hosts: list[str] = self.channel.gather_json(
-            os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(), "hostname"
-        )
-        self._startup_phase("hostnames", tic)
+        if opening is not None:  # built beside hvd.init(): its phases overlap horovod_init
+            self.channel, self.hosts, phases = channel_startup.joined(opening, self.rank, self.size)
+            self._startup_phase("channel_wait", tic)
+        else:
+            self.channel, self.hosts, phases = channel_startup.start_after_horovod(
+                hvd, cfg.dist.timeout_s, secret
+            )
+        self.startup.update(phases)
         self.rank_sites = self._sites(cfg)
         self.site = self.rank_sites[self.rank] if cfg.sites else None
         self.channel.name_ranks([f"site {s}" if cfg.sites else f"host {s}" for s in self.rank_sites])

@@ -10,9 +10,11 @@ therefore stalls the sites, and Horovod process sets do not isolate sites.
 
 So every rank of a launched job also joins a private Gloo job of its own, made from Horovod's rank
 and size (rank 0 hosts a ``torch.distributed`` TCP store listening on its own address only and
-announces it with one Horovod broadcast of a MAC'd JSON message; every value in the store carries a
-MAC made with the job secret, :mod:`medseg.distributed.comm.auth`): a world group, its synchronisation group and, on leaders, the group of the
-groups' leaders, each a ``ProcessGroupGloo`` built on that store (not the default process group:
+announces it as a MAC'd JSON message: under ``horovodrun --gloo`` through its rendezvous server,
+so the channel is built while ``hvd.init()`` runs (:meth:`Channel.before_horovod`), otherwise with
+one Horovod broadcast after it; every value in the store carries a MAC made with the job secret,
+:mod:`medseg.distributed.comm.auth`): a world group, its synchronisation group and, on leaders, the
+group of the groups' leaders, each a ``ProcessGroupGloo`` built on that store (not the default process group:
 see :class:`Group`). Each ``ProcessGroupGloo`` has its own connections and worker threads, so a bulk transfer
 in flight on the leaders' group never delays an allreduce on a site's group. What runs where:
 
@@ -49,12 +51,13 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from medseg.distributed.comm import audit, auth, wire
+from medseg.distributed.comm import audit, auth, rendezvous_kv, wire
 from medseg.errors import RunError
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,7 @@ log = logging.getLogger(__name__)
 # A JSON message of at most this many bytes travels with its size in one collective (one WAN
 # round trip instead of two: sizes, then bytes); a larger one still takes the two.
 INLINE_JSON_BYTES = 2048
+ADDRESS_KEY = "channel-address"  # the store address's key on horovodrun's rendezvous server
 ADDRESS_SLOTS = 1024  # int32 slots of the announced store address (length, then MAC'd JSON bytes)
 
 
@@ -360,18 +364,14 @@ def gather_tree_to_root(
     return objs, payload_sizes
 
 
-def share_address(hvd: Any, secret: bytes, where: tuple[str, int] | None) -> tuple[str, int]:
-    """Rank 0's store address on every rank: one Horovod broadcast of int32 slots holding the
-    MAC'd JSON message (length first); refused unless the MAC checks out with the job secret."""
-    buf = torch.zeros(ADDRESS_SLOTS, dtype=torch.int32)
-    if where is not None:
-        signed = auth.sign(secret, b"channel-address", wire.encode_json({"host": where[0], "port": where[1]}))
-        buf[0] = len(signed)
-        buf[1 : 1 + len(signed)] = torch.tensor(list(signed), dtype=torch.int32)
-    buf = hvd.broadcast(buf, root_rank=0, name="medseg.channel")
-    n = int(buf[0])
-    raw = bytes(int(x) & 0xFF for x in buf[1 : 1 + n].tolist()) if 0 < n < ADDRESS_SLOTS else b""
-    data = auth.verify(secret, b"channel-address", raw)
+def _signed_address(secret: bytes, where: tuple[str, int]) -> bytes:
+    """The store address as a MAC'd JSON message (what every way of announcing it carries)."""
+    return auth.sign(secret, b"channel-address", wire.encode_json({"host": where[0], "port": where[1]}))
+
+
+def _verified_address(secret: bytes, signed: bytes) -> tuple[str, int]:
+    """The address in rank 0's message; refused unless its MAC checks out with the job secret."""
+    data = auth.verify(secret, b"channel-address", signed)
     if data is None:
         raise RunError(
             "rank 0 announced the channel's store address without a valid job-secret MAC (a rank started "
@@ -379,6 +379,39 @@ def share_address(hvd: Any, secret: bytes, where: tuple[str, int] | None) -> tup
         )
     value = wire.decode_json(data, "channel-address", "rank 0")
     return str(value["host"]), int(value["port"])
+
+
+def share_address(hvd: Any, secret: bytes, where: tuple[str, int] | None) -> tuple[str, int]:
+    """Rank 0's store address on every rank: one Horovod broadcast of int32 slots holding the
+    MAC'd JSON message (length first); refused unless the MAC checks out with the job secret."""
+    buf = torch.zeros(ADDRESS_SLOTS, dtype=torch.int32)
+    if where is not None:
+        signed = _signed_address(secret, where)
+        buf[0] = len(signed)
+        buf[1 : 1 + len(signed)] = torch.tensor(list(signed), dtype=torch.int32)
+    buf = hvd.broadcast(buf, root_rank=0, name="medseg.channel")
+    n = int(buf[0])
+    raw = bytes(int(x) & 0xFF for x in buf[1 : 1 + n].tolist()) if 0 < n < ADDRESS_SLOTS else b""
+    return _verified_address(secret, raw)
+
+
+def rendezvous_address(
+    server: tuple[str, int], secret: bytes, where: tuple[str, int] | None, timeout_s: float
+) -> tuple[str, int]:
+    """Rank 0's store address on every rank through ``horovodrun``'s rendezvous server
+    (:mod:`~medseg.distributed.comm.rendezvous_kv`): rank 0 puts the MAC'd message, the others wait
+    for it; refused unless the MAC checks out. Needs no Horovod call, so it runs beside ``hvd.init()``."""
+    if where is not None:
+        rendezvous_kv.put(server, ADDRESS_KEY, _signed_address(secret, where))
+        return where
+    return _verified_address(secret, rendezvous_kv.wait_for(server, ADDRESS_KEY, timeout_s))
+
+
+def use_job_interface() -> None:
+    """Gloo's sockets on Horovod's interface, where the launcher names one. Call it before any thread
+    that may read the environment starts (``setenv`` beside a reader is unsafe)."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ and os.environ.get("HOROVOD_GLOO_IFACE"):
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["HOROVOD_GLOO_IFACE"]
 
 
 class Channel:
@@ -391,11 +424,34 @@ class Channel:
     """
 
     def __init__(self, hvd: Any, timeout_s: float, secret: bytes | None = None) -> None:
-        self.rank, self.size = hvd.rank(), hvd.size()
         secret = secret if secret is not None else auth.job_secret()
         assert secret is not None
-        if "GLOO_SOCKET_IFNAME" not in os.environ and os.environ.get("HOROVOD_GLOO_IFACE"):
-            os.environ["GLOO_SOCKET_IFNAME"] = os.environ["HOROVOD_GLOO_IFACE"]
+        use_job_interface()
+        self._open(hvd.rank(), hvd.size(), timeout_s, secret, lambda where: share_address(hvd, secret, where))
+
+    @classmethod
+    def before_horovod(cls, server: tuple[str, int], timeout_s: float, secret: bytes) -> Channel:
+        """The channel of the rank ``horovodrun`` started (``HOROVOD_RANK``/``HOROVOD_SIZE``), its store
+        address shared through the rendezvous ``server``: needs no Horovod call, so it can be built on a
+        thread while ``hvd.init()`` runs. Call :func:`use_job_interface` first, on the main thread."""
+        rank, size = int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])
+        channel = cls.__new__(cls)
+        wait_s = max(3600.0, 20 * timeout_s)
+        channel._open(
+            rank, size, timeout_s, secret, lambda where: rendezvous_address(server, secret, where, wait_s)
+        )
+        return channel
+
+    def _open(
+        self,
+        rank: int,
+        size: int,
+        timeout_s: float,
+        secret: bytes,
+        share: Callable[[tuple[str, int] | None], tuple[str, int]],
+    ) -> None:
+        """Host (rank 0) or join the store whose address ``share`` hands every rank, then the world group."""
+        self.rank, self.size = rank, size
         self.timeout = datetime.timedelta(seconds=max(3600.0, 20 * timeout_s))
         listener = None
         where = None
@@ -404,7 +460,7 @@ class Channel:
             listener = _listen(host)  # the store listens on the job's address only
             where = (host, int(listener.getsockname()[1]))
         tic = time.perf_counter()
-        host, port = share_address(hvd, secret, where)
+        host, port = share(where)
         shared = time.perf_counter()
         if listener is not None:
             tcp = dist.TCPStore(
