@@ -19,7 +19,9 @@ from medseg.distributed.comm import auth, rendezvous_kv
 from medseg.distributed.comm.channel import ADDRESS_KEY, rendezvous_address
 from medseg.errors import RunError
 
-http_server = pytest.importorskip("horovod.runner.http.http_server", reason="Horovod is built by `make setup`")
+http_server = pytest.importorskip(
+    "horovod.runner.http.http_server", reason="Horovod is built by `make setup`"
+)
 PROBE = Path(__file__).with_name("mp") / "channel_beside.py"
 
 
