@@ -229,7 +229,13 @@ def format_table(result: dict[str, Any]) -> str:
             for i, t in enumerate(c["runs"][0]["rank_time"])
         )
         lines.append(f"- {name} ({where}): {parts}")
-    lines += ["", "Start-up, first seed (s; launch to ranks up, then each phase on its slowest rank):", ""]
+    lines += [
+        "",
+        "Start-up, first seed (s; launch to ranks up, then each phase on its slowest rank; where "
+        "`channel wait` is listed, the phases from channel address to hostnames ran beside horovod init "
+        "and channel wait is what was left of them after it):",
+        "",
+    ]
     for name, where, c in rows:
         lines.append(f"- {name} ({where}): {startup_line(c['runs'][0])}")
     return "\n".join(lines)
