@@ -18,7 +18,8 @@ from typing import Any
 
 from medseg.distributed.background import InBackground
 from medseg.distributed.comm import rendezvous_kv
-from medseg.distributed.comm.channel import Channel, use_job_interface
+from medseg.distributed.comm.channel import Channel
+from medseg.distributed.comm.store_address import use_job_interface
 from medseg.errors import RunError
 
 Started = tuple[Channel, list[str], dict[str, float]]  # channel, every rank's host, start-up phases (s)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from medseg.distributed.comm import auth, rendezvous_kv
-from medseg.distributed.comm.channel import ADDRESS_KEY, rendezvous_address
+from medseg.distributed.comm.store_address import ADDRESS_KEY, rendezvous_address
 from medseg.errors import RunError
 
 http_server = pytest.importorskip(

@@ -404,7 +404,7 @@ def test_a_one_rank_channel_listens_on_its_own_address_only(monkeypatch) -> None
     ]
     assert listening and all(c.laddr.ip not in ("0.0.0.0", "::") for c in listening), listening
 
-    from medseg.distributed.comm.channel import share_address
+    from medseg.distributed.comm.store_address import share_address
 
     class _Replay(_Hvd):
         def broadcast(self, t: torch.Tensor, root_rank: int, name: str) -> torch.Tensor:
