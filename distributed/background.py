@@ -27,6 +27,10 @@ class InBackground:
         except BaseException as exc:  # handed to the caller by result()
             self._error = exc
 
+    def failed(self) -> BaseException | None:
+        """The error ``fn`` raised if it has already ended with one; never waits."""
+        return None if self._thread.is_alive() else self._error
+
     def result(self) -> Any:
         self._thread.join()
         if self._error is not None:

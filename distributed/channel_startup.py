@@ -3,9 +3,9 @@
 Under ``horovodrun --gloo`` both need no Horovod call (the store address travels through the
 launcher's rendezvous server, :meth:`~medseg.distributed.comm.channel.Channel.before_horovod`), so
 :func:`start_beside_horovod` runs them on a thread while ``hvd.init()`` does its own rendezvous.
-Both wait on round trips, not on compute, so across slow links the job's start-up costs the longer
-of the two instead of their sum (the phases are in docs/benchmarks.md, "Between hospitals on real
-MR"). Launched otherwise (an MPI ``horovodrun``), :func:`start_after_horovod` builds the channel
+Both wait on round trips, not on compute, so across slow links the job's start-up costs about the
+longer of the two instead of their sum (measured in docs/benchmarks.md, "Between hospitals on real
+MR": ``channel wait`` is what remained of the channel's phases after ``hvd.init()``). Launched otherwise (an MPI ``horovodrun``), :func:`start_after_horovod` builds the channel
 after ``hvd.init()`` and shares its address with one Horovod broadcast.
 """
 
@@ -51,9 +51,22 @@ def start_beside_horovod(timeout_s: float, secret: bytes) -> InBackground | None
     return InBackground(_open_and_gather, server, timeout_s, secret)
 
 
+def init_horovod(hvd: Any, opening: InBackground | None) -> None:
+    """``hvd.init()``; where it fails after the channel's thread already failed (say, an address
+    signed with another job's secret), the thread's clearer error is raised, Horovod's as its cause."""
+    try:
+        hvd.init()
+    except Exception as exc:
+        first = opening.failed() if opening is not None else None
+        if first is not None:
+            raise first from exc
+        raise
+
+
 def joined(started: InBackground, rank: int, size: int) -> Started:
     """What :func:`start_beside_horovod` built, once ``hvd.init()`` has told this rank its place;
-    a rank whose environment disagrees with Horovod is refused."""
+    a rank whose environment disagrees with Horovod is refused. (The check comes after the channel is
+    built: under horovodrun, which sets both, a disagreement would be Horovod's own bug.)"""
     channel, hosts, phases = started.result()
     if (channel.rank, channel.size) != (rank, size):
         raise RunError(

@@ -88,7 +88,7 @@ class HorovodSession(LocalSession):
         assert secret is not None
         opening = channel_startup.start_beside_horovod(cfg.dist.timeout_s, secret)
         tic = time.perf_counter()
-        hvd.init()
+        channel_startup.init_horovod(hvd, opening)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.is_chief = self.rank == 0
         tic = self._startup_phase("horovod_init", tic)

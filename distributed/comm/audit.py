@@ -19,7 +19,8 @@ Horovod's buffers (bsp's gradient allreduce and epoch-end buffer average) are no
 hook: they are logged by their ring bytes (:meth:`Audit.sent_modelled`), and the canary is searched
 in the tensors themselves before Horovod reads them (:meth:`Audit.inspect`: the gradient of every
 parameter as autograd produces it, the buffer vector before its allreduce). Not seen: Horovod's
-negotiation messages (tensor names only) and the TCP store's rendezvous keys (addresses and ports).
+negotiation messages (tensor names only), the TCP store's rendezvous keys (addresses and ports) and
+the channel's store address that rank 0 puts on horovodrun's rendezvous server (one address and port).
 
 Canary check (tests): with ``MEDSEG_AUDIT_CANARY=v1,v2,...`` (a run of voxel values planted in one
 site's images, see ``tests/distributed/test_sitedata.py``) every outgoing buffer is searched for that run as

@@ -12,7 +12,8 @@ never logged, never written into the run folder, and dies with the job. With it:
   rank's address and port) is stored with an HMAC-SHA256 over key and value, and checked on every read
   (:class:`MacStore`): a value planted by anyone without the secret is refused with a clear error
   before Gloo connects anywhere;
-- the channel's store address, which rank 0 announces over Horovod, travels with a MAC too.
+- the channel's store address, which rank 0 announces through horovodrun's rendezvous server (or
+  a Horovod broadcast), travels with a MAC too, bound to the launch.
 
 What it does not do: it authenticates *a member of the job*, not which
 rank: every rank holds the same secret, so a compromised site can still pose as another rank (its

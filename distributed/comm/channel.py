@@ -365,7 +365,11 @@ class Channel:
         channel = cls.__new__(cls)
         wait_s = max(3600.0, 20 * timeout_s)
         channel._open(
-            rank, size, timeout_s, secret, lambda where: rendezvous_address(server, secret, where, wait_s)
+            rank,
+            size,
+            timeout_s,
+            secret,
+            lambda where: rendezvous_address(server, secret, where, wait_s, size),
         )
         return channel
 

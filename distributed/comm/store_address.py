@@ -54,18 +54,23 @@ def listen_on(host: str) -> socket.socket:
     return sock
 
 
-def _signed_address(secret: bytes, where: tuple[str, int]) -> bytes:
-    """The store address as a MAC'd JSON message (what every way of announcing it carries)."""
-    return auth.sign(secret, b"channel-address", wire.encode_json({"host": where[0], "port": where[1]}))
+def _signed_address(secret: bytes, where: tuple[str, int], launch: str = "") -> bytes:
+    """The store address as a MAC'd JSON message (what every way of announcing it carries); the MAC
+    also covers ``launch``, so a value signed for another launch with the same secret is refused."""
+    return auth.sign(secret, _domain(launch), wire.encode_json({"host": where[0], "port": where[1]}))
 
 
-def _verified_address(secret: bytes, signed: bytes) -> tuple[str, int]:
+def _domain(launch: str) -> bytes:
+    return b"channel-address" + (b"@" + launch.encode() if launch else b"")
+
+
+def _verified_address(secret: bytes, signed: bytes, launch: str = "") -> tuple[str, int]:
     """The address in rank 0's message; refused unless its MAC checks out with the job secret."""
-    data = auth.verify(secret, b"channel-address", signed)
+    data = auth.verify(secret, _domain(launch), signed)
     if data is None:
         raise RunError(
             "rank 0 announced the channel's store address without a valid job-secret MAC (a rank started "
-            f"with another {auth.SECRET_ENV}, or tampering on the way); refused"
+            f"with another {auth.SECRET_ENV}, a value left from another launch, or tampering on the way); refused"
         )
     value = wire.decode_json(data, "channel-address", "rank 0")
     return str(value["host"]), int(value["port"])
@@ -86,15 +91,17 @@ def share_address(hvd: Any, secret: bytes, where: tuple[str, int] | None) -> tup
 
 
 def rendezvous_address(
-    server: tuple[str, int], secret: bytes, where: tuple[str, int] | None, timeout_s: float
+    server: tuple[str, int], secret: bytes, where: tuple[str, int] | None, timeout_s: float, size: int
 ) -> tuple[str, int]:
     """Rank 0's store address on every rank through ``horovodrun``'s rendezvous server
     (:mod:`~medseg.distributed.comm.rendezvous_kv`): rank 0 puts the MAC'd message, the others wait
-    for it; refused unless the MAC checks out. Needs no Horovod call, so it runs beside ``hvd.init()``."""
+    for it; refused unless the MAC checks out for this launch (the server's address and the job's
+    ``size``: each launch has its own server). Needs no Horovod call, so it runs beside ``hvd.init()``."""
+    launch = f"{server[0]}:{server[1]}/{size}"
     if where is not None:
-        rendezvous_kv.put(server, ADDRESS_KEY, _signed_address(secret, where))
+        rendezvous_kv.put(server, ADDRESS_KEY, _signed_address(secret, where, launch))
         return where
-    return _verified_address(secret, rendezvous_kv.wait_for(server, ADDRESS_KEY, timeout_s))
+    return _verified_address(secret, rendezvous_kv.wait_for(server, ADDRESS_KEY, timeout_s), launch)
 
 
 def use_job_interface() -> None:

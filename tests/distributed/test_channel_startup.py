@@ -1,20 +1,25 @@
 """The channel's store address through Horovod's own rendezvous server (the one ``horovodrun --gloo``
 starts), so the channel can be built while ``hvd.init()`` runs: the address arrives signed, a
-forged or foreign-secret value is refused, a proxy in the environment is never used, and two ranks
-build a working channel from horovodrun's environment alone."""
+forged, foreign-secret or other-launch value is refused, a proxy in the environment is never used,
+waiting ends in a clear error, and two ranks build a working channel from horovodrun's environment
+alone (no Horovod call)."""
 
 from __future__ import annotations
 
 import json
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from medseg.distributed import channel_startup
+from medseg.distributed.background import InBackground
 from medseg.distributed.comm import auth, rendezvous_kv
 from medseg.distributed.comm.store_address import ADDRESS_KEY, rendezvous_address
 from medseg.errors import RunError
@@ -35,27 +40,82 @@ def server():
 
 
 def test_the_store_address_reaches_a_rank_that_asked_before_rank_0_put_it(server, monkeypatch) -> None:
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("http_proxy", "http://198.18.0.9:9")  # a dead proxy: requests must not use it
     monkeypatch.setenv("HTTP_PROXY", "http://198.18.0.9:9")
+    answers: list[int] = []
+    plain = rendezvous_kv._request
+
+    def seen(*args, **kwargs):
+        status, body = plain(*args, **kwargs)
+        answers.append(status)
+        return status, body
+
+    monkeypatch.setattr(rendezvous_kv, "_request", seen)
     secret = secrets.token_bytes(32)
     got: list[tuple[str, int]] = []
-    reader = threading.Thread(target=lambda: got.append(rendezvous_address(server, secret, None, 30)))
-    reader.start()  # asks first: 404s until rank 0 puts the address
-    assert rendezvous_address(server, secret, ("198.18.0.1", 4321), 30) == ("198.18.0.1", 4321)
+    reader = threading.Thread(target=lambda: got.append(rendezvous_address(server, secret, None, 30, 2)))
+    reader.start()
+    for _ in range(200):  # the reader has been told "not yet" before rank 0 puts the address
+        if 404 in answers:
+            break
+        threading.Event().wait(0.05)
+    assert 404 in answers
+    assert rendezvous_address(server, secret, ("198.18.0.1", 4321), 30, 2) == ("198.18.0.1", 4321)
     reader.join(timeout=30)
     assert got == [("198.18.0.1", 4321)]
 
 
-def test_a_forged_or_foreign_address_is_refused_and_a_missing_one_times_out(server) -> None:
+@pytest.mark.parametrize("planted", ["another secret", "another launch", "unsigned"])
+def test_a_forged_or_replayed_address_is_refused(server, planted) -> None:
     secret = secrets.token_bytes(32)
-    rendezvous_address(server, secrets.token_bytes(32), ("198.18.0.66", 1), 30)  # another job's secret
+    if planted == "another secret":
+        rendezvous_address(server, secrets.token_bytes(32), ("198.18.0.66", 1), 30, 2)
+    elif planted == "another launch":  # same secret, signed for a job of another size
+        rendezvous_address(server, secret, ("198.18.0.66", 1), 30, 3)
+    else:
+        rendezvous_kv.put(server, ADDRESS_KEY, b'{"host": "198.18.0.66", "port": 1}')
     with pytest.raises(RunError, match="without a valid job-secret MAC"):
-        rendezvous_address(server, secret, None, 5)
-    rendezvous_kv.put(server, ADDRESS_KEY, b'{"host": "198.18.0.66", "port": 1}')  # unsigned
-    with pytest.raises(RunError, match="without a valid job-secret MAC"):
-        rendezvous_address(server, secret, None, 5)
-    with pytest.raises(RunError, match="within 0 s"):
+        rendezvous_address(server, secret, None, 5, 2)
+
+
+def test_a_missing_value_or_a_dead_server_ends_in_a_clear_error_by_the_deadline(server) -> None:
+    with pytest.raises(RunError, match="within 0 s .not put yet"):
         rendezvous_kv.wait_for(server, "never-put", 0.3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = ("127.0.0.1", s.getsockname()[1])  # bound, not listening: connections are refused
+        with pytest.raises(RunError, match="within 1 s .*did not answer GET"):
+            rendezvous_kv.wait_for(dead, "k", 1.0)
+
+
+def test_a_rank_whose_environment_disagrees_with_horovod_is_refused() -> None:
+    class _Done:
+        def result(self):
+            return SimpleNamespace(rank=1, size=2), ["a", "b"], {}
+
+    assert channel_startup.joined(_Done(), 1, 2)[1] == ["a", "b"]
+    with pytest.raises(RunError, match="say rank 1 of 2, Horovod says 0 of 2"):
+        channel_startup.joined(_Done(), 0, 2)
+
+
+def test_when_hvd_init_fails_after_the_channel_failed_the_channels_error_is_raised() -> None:
+    def refused() -> None:
+        raise RunError("address refused")
+
+    class _Hvd:
+        def init(self) -> None:
+            raise ValueError("Horovod initialization failed")
+
+    opening = InBackground(refused)
+    with pytest.raises(RunError):
+        opening.result()
+    with pytest.raises(RunError, match="address refused") as info:
+        channel_startup.init_horovod(_Hvd(), opening)
+    assert isinstance(info.value.__cause__, ValueError)
+    with pytest.raises(ValueError, match="Horovod initialization failed"):
+        channel_startup.init_horovod(_Hvd(), None)
 
 
 def test_two_ranks_build_the_channel_from_horovodruns_environment_alone(server) -> None:
