@@ -13,7 +13,10 @@ if opening is None:
     sys.exit("no rendezvous server in the environment")
 channel, hosts, phases = channel_startup.joined(opening, int(os.environ["HOROVOD_RANK"]), 2)
 total = channel.gather_json(channel.rank + 1, "speed")
-print(json.dumps({"rank": channel.rank, "hosts": hosts, "gathered": total, "phases": sorted(phases)}), flush=True)
+print(
+    json.dumps({"rank": channel.rank, "hosts": hosts, "gathered": total, "phases": sorted(phases)}),
+    flush=True,
+)
 channel.barrier()  # neither rank leaves while the other still reads from it
 # Leave without tearing down Gloo's threads from the interpreter's exit (they may abort the process).
 os._exit(0)
