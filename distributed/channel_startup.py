@@ -5,8 +5,9 @@ launcher's rendezvous server, :meth:`~medseg.distributed.comm.channel.Channel.be
 :func:`start_beside_horovod` runs them on a thread while ``hvd.init()`` does its own rendezvous.
 Both wait on round trips, not on compute, so across slow links the job's start-up costs about the
 longer of the two instead of their sum (measured in docs/benchmarks.md, "Between hospitals on real
-MR": ``channel wait`` is what remained of the channel's phases after ``hvd.init()``). Launched otherwise (an MPI ``horovodrun``), :func:`start_after_horovod` builds the channel
-after ``hvd.init()`` and shares its address with one Horovod broadcast.
+MR": ``channel wait`` is what remained of the channel's phases after ``hvd.init()``). Launched
+otherwise (an MPI ``horovodrun``), :func:`start_after_horovod` builds the channel after
+``hvd.init()`` and shares its address with one Horovod broadcast.
 """
 
 from __future__ import annotations
