@@ -229,10 +229,12 @@ def measure(
     classes: int = 3,
     net_def: dict | None = None,
     shape: tuple[int, int, int] | None = None,
+    amp: bool = False,
 ) -> dict:
     """Saved bytes (network, loss), phase peaks and breakdown of the first timed step, median step_s.
 
-    ``shape`` (a non-cubic patch) replaces ``patch``³; ``net_def`` replaces the default network.
+    ``shape`` (a non-cubic patch) replaces ``patch``³; ``net_def`` replaces the default network;
+    ``amp`` runs forward and loss under bfloat16 autocast, as ``medseg train`` does on CUDA.
     ``static_bytes`` is what lives beside the step and is counted, not measured: weights and AdamW's
     two moment buffers (``12`` bytes per parameter) and the input batch with its labels."""
     shape = tuple(shape) if shape else (patch,) * 3
@@ -246,7 +248,7 @@ def measure(
     # fused: the network's last convolution is fused with the loss where it can be (kernels/head.py)
     head_fused = variant == "fused" and model.__dict__.get("_medseg_head_module") is not None
     net_forward = _network_forward(model, forward, head_fused)
-    step = _training_step(net_forward, loss_fn, opt, x, y)
+    step = _training_step(net_forward, loss_fn, opt, x, y, amp)
 
     for _ in range(2 if variant == "compile" else 1):  # warm-up: optimizer state, compilation
         step()
@@ -269,6 +271,7 @@ def measure(
         "step_s": statistics.median(times),
         "step_cpu_s": statistics.median(cpu_times),
         "steps": steps,
+        "amp": amp,
         "classes": classes,
         "head_fused": head_fused,
         "shape": list(shape),
@@ -306,16 +309,22 @@ def _network_forward(model: nn.Module, forward: Callable, head_fused: bool) -> C
 
 
 def _training_step(
-    forward: Callable, loss_fn: Callable, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+    forward: Callable,
+    loss_fn: Callable,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    amp: bool = False,
 ) -> Callable[..., None]:
     """One training step; with a :class:`PhaseMeter`, each phase's peak is marked as it ends."""
 
     def step(meter: PhaseMeter | None = None) -> None:
         mark = meter.mark if meter is not None else (lambda phase: None)
         opt.zero_grad(set_to_none=True)
-        out = forward(x)
-        mark("forward")
-        loss = loss_fn(out, y)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
+            out = forward(x)
+            mark("forward")
+            loss = loss_fn(out, y)
         del out
         mark("loss")
         loss.backward()
@@ -373,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--classes", type=int, default=3, help="output classes (labels drawn from all of them)")
     p.add_argument("--shape", type=int, nargs=3, help="a patch of this shape instead of --patch cubed")
     p.add_argument("--net-def", help="MONAI network_def as JSON, instead of --net's default network")
+    p.add_argument("--amp", action="store_true", help="forward and loss under bfloat16 autocast")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -387,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         args.classes,
         json.loads(args.net_def) if args.net_def else None,
         tuple(args.shape) if args.shape else None,
+        args.amp,
     )
     if args.variant == "fused":
         from medseg.kernels.dispatch import backend_name

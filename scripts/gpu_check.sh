@@ -6,16 +6,23 @@
 # Needs a Python with a CUDA build of torch (PYTHON=..., else .venv/bin/python, python3, python: the
 # first whose torch sees a GPU), a C++ compiler and nvcc for the native build, and monai, pyyaml,
 # pytest, ninja importable (missing ones are pip-installed, from MEDSEG_WHEELS=dir when given).
-# medseg itself is not installed: a symlink shim on PYTHONPATH maps kernels/ to medseg.kernels.
+# medseg itself is not installed: a symlink shim on PYTHONPATH maps kernels/ to medseg.kernels (every
+# step runs with PYTHONSAFEPATH (`python -P`) and pytest's append import mode, so the checkout's own medseg/, which
+# lacks those links, is not found first).
 #
 # Steps, each under its own time limit, each recorded in OUT_DIR/gpu_check.json as it finishes
 # (a killed run still leaves what passed):
+#   0. the GPU step of `medseg bench real-sites`' planned network (real_sites.PLAN: forward, Dice-CE,
+#      backward, AdamW on 2 x 24x40x32 patches), float32 and under bfloat16 autocast as `medseg
+#      train` runs on CUDA, median of 200 synchronised steps: report["gpu_step"], which the
+#      benchmark's time dilation takes (--gpu-step-s; docs/benchmarks.md);
 #   1. build the native extension with its CUDA sources, for this GPU's architecture only;
 #   2. compile-check of the CUDA host glue is implied by 1 (norm_act_cpu.cpp and dice_ce_cpu.cpp
 #      with -DMEDSEG_WITH_CUDA); the .cu files alone are compiled by nvcc in `make test`;
-#   3. pytest on CUDA tensors: native CUDA kernels against the reference (test_kernels_native.py),
-#      fused layers and converted networks (test_kernels.py), the fused loss against MONAI
-#      (test_kernels_loss.py); JUnit XML per file in OUT_DIR;
+#   3. pytest on CUDA tensors (tests/kernels/): native CUDA kernels against the reference
+#      (test_kernels_native.py), fused layers and converted networks (test_kernels.py), the fused
+#      loss against MONAI (test_kernels_loss.py) and fused with the head (test_kernels_head.py);
+#      JUnit XML per file in OUT_DIR;
 #   4. the memory benchmark on the GPU (max_memory_allocated), 96^3, baseline / fused / checkpoint,
 #      every case, with the time that is left: OUT_DIR/bench-memory-gpu.json and .md.
 set -uo pipefail
@@ -52,6 +59,7 @@ SHIM=$(mktemp -d)
 cp -rs "$REPO/medseg" "$SHIM/medseg"
 for sub in kernels datasets distributed apps; do ln -s "$REPO/$sub" "$SHIM/medseg/$sub"; done
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONSAFEPATH=1  # `python -P` in every step and its children: the shim's medseg, not ./medseg
 export PATH="$(dirname "$(command -v "$PY")"):$PATH"
 
 exec "$PY" - "$OUT_DIR" <<'PYEOF'
@@ -59,7 +67,7 @@ import json, os, subprocess, sys, time
 
 out_dir = sys.argv[1]
 start = time.monotonic()
-LIMIT = 570  # seconds for everything, inside the 10-minute call
+LIMIT = float(os.environ.get("GPU_CHECK_LIMIT_S", 570))  # seconds for everything, inside the 10-minute call
 report: dict = {"ok": False, "steps": {}}
 path = os.path.join(out_dir, "gpu_check.json")
 
@@ -101,6 +109,14 @@ report["device"] = {
     "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
 }
 save()
+gpu_step = (
+    "import json; from medseg.bench.real_sites import measure_plan_step;"
+    "print('GPU_STEP', json.dumps(measure_plan_step('cuda', 200)))"
+)
+if run("GPU step of the real-sites plan", [sys.executable, "-c", gpu_step], 90):
+    line = report["steps"]["GPU step of the real-sites plan"]["tail"].split("GPU_STEP", 1)[1].splitlines()[0]
+    report["gpu_step"] = json.loads(line)
+    save()
 build = (
     "import time; t=time.time(); from medseg.kernels import native; m = native.load(); "
     "print('backend for cuda tensors:', native.backend_name('cuda'), 'in %.0f s' % (time.time()-t)); "
@@ -111,11 +127,13 @@ report["native_cuda"] = built
 tests = {
     "test_kernels_native.py": "cuda",
     "test_kernels_loss.py": "cuda",
+    "test_kernels_head.py": "cuda",
     "test_kernels.py": "cuda",
 }
 for name, sel in tests.items():
     xml = os.path.join(out_dir, name.replace(".py", ".xml"))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", f"tests/{name}", "-k", sel]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "--import-mode=append"]
+    cmd += [f"tests/kernels/{name}", "-k", sel]
     run(f"pytest {name} -k {sel}", cmd + ["--junitxml", xml], 150)
 bench = (
     "import json, sys; from medseg.bench.memory import bench_memory, check_targets, format_table, write_report;"

@@ -13,14 +13,19 @@ Setting, every part measured or stated:
 - **Sites and links.** a:2, b:1, c:1 ranks at 0.45/0.4/0.3 core per rank (cgroup quotas, one torch
   thread each); each site's own link to the router, nominally a=100 Mbit/s 5 ms, b=20 Mbit/s 25 ms,
   c=10 Mbit/s 40 ms one-way (:data:`LINKS`).
-- **Time dilation** (Gupta et al., "DieCast", NSDI 2007). A site here computes a step in t_cpu
-  seconds; a GPU would take t_gpu. Running every link at rate/k and delay·k with
+- **Time dilation** (Gupta et al., "DieCast", NSDI 2007). A site here takes T_cpu seconds per
+  step; a GPU site would take T_gpu. Running every link at rate/k and delay·k with
 
-      k = t_cpu / t_gpu,   t_cpu = (one step's seconds on one idle core) / (slowest site's quota)
+      k = T_cpu / T_gpu,   T_cpu = (d + c_cpu) / q,   T_gpu = d + c_gpu
 
-  keeps a GPU site's ratio of communication to compute on this CPU. t_gpu is :data:`GPU_STEP_S`
-  (``--gpu-step-s``; see its comment for where it comes from). The report prints the ratio that
-  results, measured: bsp-hier's waiting on other sites per step over its compute per step.
+  keeps a GPU site's ratio of communication to compute on this CPU. A step of ``medseg train`` is
+  its data work d (the loader's next batch, drawn in the training process: random patches,
+  augmentation, collation) followed by the network's step c (forward, Dice-CE, backward, AdamW).
+  d and c_cpu are measured here on one idle thread (:func:`measure_data_step`,
+  :func:`measure_cpu_step`); q is the slowest site's quota (cores per rank); c_gpu is
+  :data:`GPU_STEP_S`, measured on a lent GPU (``--gpu-step-s``; see its comment). The GPU site's
+  host is taken to do d as fast as this core (not measured there). The report prints the ratio
+  that results, measured: bsp-hier's waiting on other sites per step over its compute per step.
 - **Configs** (:data:`CONFIGS`): the peers bsp-hier, fedavg and diloco, and gssp, gssp-fixed4,
   gssp-topk1 and gssp-fixed4-nesterov (its rounds through DiLoCo's outer step, diloco's outer lr
   and momentum), all on medseg's channel, with the same data, model, optimiser, seeds and epochs
@@ -62,15 +67,13 @@ COUNTS = {"a": 90, "b": 60, "c": 50}
 HELD_OUT = 10  # cases per site never trained or selected on
 STORED_AS = ("uint8", "c")  # the uint8-stored cases (another scanner's export) all at site c
 LINKS = {"a": "100mbit:5ms", "b": "20mbit:25ms", "c": "10mbit:40ms"}  # nominal, before dilation
-# A GPU site's step of the planned model (a 0.14 M-parameter, 3-level MONAI UNet on 2 x 24x40x32
-# patches), an assumption, not a measurement (no GPU here): its arithmetic, about 1 GFLOP, takes
-# well under a millisecond on a data-centre GPU; a profiled step makes about 1,500 aten calls
-# (forward, Dice-CE, backward, AdamW), a few hundred CUDA kernels at several microseconds each;
-# and MONAI's loading, cropping and augmenting of the step's two patches on the host, which a
-# GPU does not speed up, takes tens of milliseconds per step. 40 ms is taken. A lent GPU's
-# measurement replaces it (--gpu-step-s); a faster GPU step means a larger k: slower, longer links
-# (at 10 ms the round trip between b and c is seconds and a run takes hours).
-GPU_STEP_S = 0.04
+# The network's step of the planned model (a 0.14 M-parameter, 3-level MONAI UNet on 2 x 24x40x32
+# patches: forward, Dice-CE, backward, AdamW) on a GPU, measured by scripts/gpu_check.sh
+# (:func:`measure_plan_step`) on an NVIDIA H200 with torch 2.11 + CUDA 13.0 on 2026-12-04: median
+# of 200 synchronised steps 0.0100 s under bfloat16 autocast (what `medseg train` runs on CUDA),
+# 0.0092 s in float32. Its arithmetic, about 1 GFLOP, is a fraction of a millisecond there: the
+# step is bound by launching its few hundred kernels, so a faster GPU would not shorten it much.
+GPU_STEP_S = 0.0100
 # What `medseg plan` (defaults, cpu) chose for the pooled training cases of the three sites on an
 # idle machine (2026-12-03): z-score, 1 mm, patch 24x40x32 x 2 samples, a 3-level UNet of 0.14 M
 # parameters, AdamW at 0.003, 8 epochs. Kept fixed here: the planner sizes the plan by the compute
@@ -154,7 +157,8 @@ class Setting:
     workdir: Path
     sites: dict[str, dict[str, str]]  # site -> {"train": dir, "test": dir, "probe": dir}
     plan: dict[str, Any]  # the planned config (model, transforms, optimiser)
-    cpu_step_s: float  # measured seconds of one training step on one idle core
+    cpu_step_s: float  # measured seconds of the network's step on one idle thread (c_cpu)
+    data_step_s: float  # measured seconds of a step's data work on one idle thread (d)
     k: float  # time dilation factor
     seeds: int
 
@@ -171,6 +175,7 @@ def prepare(workdir: Path, data: Path, seeds: int, gpu_step_s: float) -> Setting
         "data": {"dir": str(pooled), "val_fraction": 0.2, "cache": "memory"},
     }
     cpu_step_s = measure_cpu_step(planned, len(load_dataset(pooled).labels))
+    data_step_s = measure_data_step(planned)
     sites = {
         s: {
             "train": str(made[s]["train"]),
@@ -179,23 +184,90 @@ def prepare(workdir: Path, data: Path, seeds: int, gpu_step_s: float) -> Setting
         }
         for s in COUNTS
     }
-    k = cpu_step_s / min(CPU.values()) / gpu_step_s
-    return Setting(workdir, sites, planned, cpu_step_s, k, seeds)
+    k = dilation(data_step_s, cpu_step_s, gpu_step_s)
+    return Setting(workdir, sites, planned, cpu_step_s, data_step_s, k, seeds)
 
 
-def measure_cpu_step(config: dict[str, Any], classes: int, steps: int = 10) -> float:
-    """Seconds of one training step (forward, Dice-CE, backward, AdamW) of the planned network at
-    the planned patch and batch, on one thread of an idle core (:mod:`medseg.kernels.measure`, in
-    its own process)."""
+def dilation(data_s: float, cpu_s: float, gpu_s: float) -> float:
+    """k = T_cpu / T_gpu with T_cpu = (d + c_cpu) / q and T_gpu = d + c_gpu (module docstring)."""
+    return (data_s + cpu_s) / min(CPU.values()) / (data_s + gpu_s)
+
+
+def measure_data_step(config: dict[str, Any], steps: int = 60) -> float:
+    """Seconds of one training step's data work on one thread: the loader's next batch as ``medseg
+    train`` draws it in its own process (``data.num_workers: 0``): MONAI's random patch draw and
+    augmentation over the cached cases, and collation. Median of ``steps`` batches."""
+    import statistics
+
+    import torch
+
+    from medseg.training.data import make_train_data, seed_epoch
+
+    cfg = config_from_dict(config)
+    data = make_train_data(cfg)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times: list[float] = []
+        while len(times) < steps:
+            seed_epoch(data, cfg.train.seed, len(times))
+            batches = iter(data.train_loader)
+            while len(times) < steps:
+                t0 = time.perf_counter()
+                if next(batches, None) is None:
+                    break
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times)
+
+
+def measure_plan_step(device: str = "cuda", steps: int = 200) -> dict[str, Any]:
+    """Seconds of one training step of :data:`PLAN`'s network (forward, Dice-CE, backward, AdamW on
+    a step's patches, synchronised), float32 and under bfloat16 autocast (what ``medseg train``
+    runs on CUDA), median of ``steps``, in this process. ``scripts/gpu_check.sh`` runs it on a lent
+    GPU; its ``amp_s`` is the GPU step that :data:`GPU_STEP_S` records."""
+    import torch
+
+    from medseg.kernels.measure import measure
+    from medseg.models import build_network, network_def
+
+    cfg = config_from_dict(PLAN)
+    shape = tuple(cfg.transforms.patch)
+    batch = cfg.train.batch_size * cfg.transforms.num_samples
+    net = network_def(cfg, 3)  # background and the two hippocampus labels
+    times = {
+        f"{name}_s": measure(
+            "unet", "baseline", 0, batch, steps, torch.device(device), 1.0, 3, net, shape, amp
+        )["step_s"]
+        for name, amp in (("fp32", False), ("amp", True))
+    }
+    params = sum(p.numel() for p in build_network(net).parameters())
+    return {**times, "device": device, "shape": list(shape), "batch": batch, "params": params, "steps": steps}
+
+
+def measure_cpu_step(config: dict[str, Any], classes: int, steps: int = 20) -> float:
+    """Seconds of the planned network's step (forward, Dice-CE, backward, AdamW) at the planned
+    patch and batch on one thread, with glibc's own allocator as ``medseg train`` runs it (the
+    memory probe's mmap threshold would add about 70% here), median of ``steps``, in this process."""
+    import torch
+
+    from medseg.kernels.measure import measure
     from medseg.models import network_def
-    from medseg.planning.memory_model import run_measure
 
     cfg = config_from_dict(config)
     batch = cfg.train.batch_size * cfg.transforms.num_samples
-    res = run_measure(
-        network_def(cfg, classes), cfg.transforms.patch, batch, "baseline", "cpu", classes, steps
-    )
-    return float(res["step_s"])
+    net, shape = network_def(cfg, classes), tuple(cfg.transforms.patch)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return float(
+            measure("unet", "baseline", 0, batch, steps, torch.device("cpu"), 1.0, classes, net, shape)[
+                "step_s"
+            ]
+        )
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _pooled_folder(out: Path, folders: list[Path]) -> Path:
@@ -338,6 +410,7 @@ def _setting_record(setting: Setting, gpu_step_s: float, net: Any) -> dict[str, 
         "links_nominal": LINKS,
         "links_dilated": str(net),
         "cpu_step_s": setting.cpu_step_s,
+        "data_step_s": setting.data_step_s,
         "gpu_step_s": gpu_step_s,
         "k": setting.k,
         "model": f"{m['name']} channels {m.get('channels')} strides {m.get('strides')}",

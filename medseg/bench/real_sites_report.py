@@ -269,6 +269,18 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=7)
 
 
+def _step_costs(s: dict[str, Any]) -> str:
+    """The measured step costs the dilation k comes from (real_sites' module docstring)."""
+    if "data_step_s" not in s:  # a result written before the data work was measured
+        return f"one step takes {s['cpu_step_s']:.3f} s on one idle core here, {s['gpu_step_s']} s on a GPU"
+    q = min(s["cpu_per_rank"].values())
+    return (
+        f"a step here is {s['data_step_s']:.4f} s of data work and {s['cpu_step_s']:.4f} s of network on one idle "
+        f"thread, at {q} core; on a GPU site the same data work and the network's {s['gpu_step_s']} s "
+        "measured on an H200 (scripts/gpu_check.sh)"
+    )
+
+
 def intro(result: dict[str, Any]) -> str:
     s = result["setting"]
     return (
@@ -276,8 +288,8 @@ def intro(result: dict[str, Any]) -> str:
         f"Task04_Hippocampus dealt to sites {s['counts']} (each keeps {s['held_out']} cases it never trains or "
         f"selects on; the uint8-stored cases at site c), ranks {s['sites']} at {s['cpu_per_rank']} core per rank. "
         f"Model and patch from `medseg plan` on the pooled training cases: {s['model']}, patch {s['patch']}, "
-        f"lr {s['lr']}. Nominal links {s['links_nominal']}; one step takes {s['cpu_step_s']:.3f} s on one idle "
-        f"core here, an assumed {s['gpu_step_s']} s on a GPU, so the links are dilated by k = {s['k']:.1f} "
+        f"lr {s['lr']}. Nominal links {s['links_nominal']}; {_step_costs(s)}, so the links are dilated by "
+        f"k = {s['k']:.1f} "
         f"({s['links_dilated']}). {s['epochs']} equal epochs, then up to {s['max_epochs']} until the mean "
         f"validation Dice reaches {s['dice_target']}. {result['seeds']} seed(s); load average "
         f"{result['load_start'][0]:.2f} at the start, {result['load_end'][0]:.2f} at the end; "

@@ -187,7 +187,8 @@ def _add_real_sites(bench: argparse._SubParsersAction) -> None:
         "--gpu-step-s",
         type=float,
         default=GPU_STEP_S,
-        help=f"a GPU site's seconds per step of the planned model (default {GPU_STEP_S}, assumed): sets the dilation",
+        help=f"a GPU site's seconds per network step of the planned model (default {GPU_STEP_S}, measured on an "
+        "H200 by scripts/gpu_check.sh): sets the dilation",
     )
     s.add_argument(
         "--workdir",

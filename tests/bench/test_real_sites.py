@@ -141,6 +141,28 @@ def test_sites_links_and_probe_folders(tmp_path: Path) -> None:
     assert json.loads((pooled / "dataset.json").read_text())["numTraining"] == 18
 
 
+def test_dilation_counts_the_data_work_on_both_sides() -> None:
+    # slowest quota 0.3 core: a CPU site's step (0.01 + 0.05) / 0.3 = 0.2 s; a GPU site's 0.01 + 0.01
+    assert real_sites.dilation(0.01, 0.05, 0.01) == pytest.approx(10.0)
+    # without data work it is the networks' ratio alone: 0.05 / 0.3 / 0.01
+    assert real_sites.dilation(0.0, 0.05, 0.01) == pytest.approx(50.0 / 3)
+
+
+def test_report_names_the_measured_step_costs() -> None:
+    from medseg.bench.real_sites_report import intro
+
+    result = _result()
+    result["setting"].update(
+        counts={}, held_out=10, sites="a:2", cpu_per_rank={"a": 0.45, "c": 0.3}, model="unet", patch=[1, 2, 3],
+        lr=0.003, links_nominal={}, links_dilated="x", epochs=8, max_epochs=16,
+        cpu_step_s=0.05, data_step_s=0.01, gpu_step_s=0.01, k=10.0,
+    )  # fmt: skip
+    result.update(seeds=3, load_start=[0.1], load_end=[0.2], wall_s=60.0)
+    text = intro(result)
+    assert "0.0100 s of data work and 0.0500 s of network" in text and "at 0.3 core" in text
+    assert "network's 0.01 s measured on an H200" in text and "k = 10.0" in text
+
+
 def test_bbr_probe_rtt_share() -> None:
     cc = Path("/proc/sys/net/ipv4/tcp_congestion_control")
     if not cc.exists() or cc.read_text().strip() != "bbr":
