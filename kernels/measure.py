@@ -234,7 +234,8 @@ def measure(
     """Saved bytes (network, loss), phase peaks and breakdown of the first timed step, median step_s.
 
     ``shape`` (a non-cubic patch) replaces ``patch``³; ``net_def`` replaces the default network;
-    ``amp`` runs forward and loss under bfloat16 autocast, as ``medseg train`` does on CUDA.
+    ``amp`` runs forward and loss under bfloat16 autocast, as ``medseg train`` does on CUDA (the
+    timed steps and phase peaks; the saved-bytes count runs without it, in float32).
     ``static_bytes`` is what lives beside the step and is counted, not measured: weights and AdamW's
     two moment buffers (``12`` bytes per parameter) and the input batch with its labels."""
     shape = tuple(shape) if shape else (patch,) * 3

@@ -40,6 +40,12 @@ for cand in "${PYTHON:-}" .venv/bin/python python3 python; do
     break
   fi
 done
+if [ -n "$PY" ] && ! "$PY" -c "import sys; sys.exit(sys.version_info < (3, 11))"; then
+  # PYTHONSAFEPATH (below) needs 3.11: without it the checkout's own medseg/ shadows the shim
+  echo '{"ok": false, "error": "gpu_check needs Python 3.11 or newer"}' >"$OUT_DIR/gpu_check.json"
+  echo "gpu_check: $PY is older than Python 3.11" >&2
+  exit 2
+fi
 if [ -z "$PY" ]; then
   echo '{"ok": false, "error": "no Python whose torch sees a CUDA device"}' >"$OUT_DIR/gpu_check.json"
   echo "gpu_check: no Python whose torch sees a CUDA device" >&2
@@ -69,6 +75,7 @@ out_dir = sys.argv[1]
 start = time.monotonic()
 LIMIT = float(os.environ.get("GPU_CHECK_LIMIT_S", 570))  # seconds for everything, inside the 10-minute call
 report: dict = {"ok": False, "steps": {}}
+stdout: dict[str, str] = {}  # each step's whole standard output
 path = os.path.join(out_dir, "gpu_check.json")
 
 
@@ -89,6 +96,7 @@ def run(name: str, cmd: list[str], limit: float) -> bool:
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
         ok, tail = p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+        stdout[name] = p.stdout
     except subprocess.TimeoutExpired as exc:
         ok, tail = False, f"timed out after {limit:.0f} s: " + str((exc.stdout or b"")[-2000:])
     report["steps"][name] = {"ok": ok, "seconds": round(time.monotonic() - t0, 1), "tail": tail}
@@ -114,8 +122,12 @@ gpu_step = (
     "print('GPU_STEP', json.dumps(measure_plan_step('cuda', 200)))"
 )
 if run("GPU step of the real-sites plan", [sys.executable, "-c", gpu_step], 90):
-    line = report["steps"]["GPU step of the real-sites plan"]["tail"].split("GPU_STEP", 1)[1].splitlines()[0]
-    report["gpu_step"] = json.loads(line)
+    lines = [ln for ln in stdout["GPU step of the real-sites plan"].splitlines() if ln.startswith("GPU_STEP ")]
+    try:
+        report["gpu_step"] = json.loads(lines[-1].split(" ", 1)[1])
+    except (IndexError, ValueError) as exc:
+        report["steps"]["GPU step of the real-sites plan"]["ok"] = False
+        report["gpu_step"] = {"error": f"no GPU_STEP line in its output: {exc}"}
     save()
 build = (
     "import time; t=time.time(); from medseg.kernels import native; m = native.load(); "

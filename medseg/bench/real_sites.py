@@ -24,7 +24,8 @@ Setting, every part measured or stated:
   d and c_cpu are measured here on one idle thread (:func:`measure_data_step`,
   :func:`measure_cpu_step`); q is the slowest site's quota (cores per rank); c_gpu is
   :data:`GPU_STEP_S`, measured on a lent GPU (``--gpu-step-s``; see its comment). The GPU site's
-  host is taken to do d as fast as this core (not measured there). The report prints the ratio
+  host is taken to do d as fast as this core (not measured there); c_gpu, bound by launching
+  kernels, depends on that host's CPU too. The report prints the ratio
   that results, measured: bsp-hier's waiting on other sites per step over its compute per step.
 - **Configs** (:data:`CONFIGS`): the peers bsp-hier, fedavg and diloco, and gssp, gssp-fixed4,
   gssp-topk1 and gssp-fixed4-nesterov (its rounds through DiLoCo's outer step, diloco's outer lr
@@ -209,14 +210,19 @@ def measure_data_step(config: dict[str, Any], steps: int = 60) -> float:
     torch.set_num_threads(1)
     try:
         times: list[float] = []
-        while len(times) < steps:
-            seed_epoch(data, cfg.train.seed, len(times))
-            batches = iter(data.train_loader)
+        for epoch in range(steps):  # each epoch draws at least one batch, or this raises
+            seed_epoch(data, cfg.train.seed, epoch)
+            batches, drawn = iter(data.train_loader), 0
             while len(times) < steps:
                 t0 = time.perf_counter()
                 if next(batches, None) is None:
                     break
                 times.append(time.perf_counter() - t0)
+                drawn += 1
+            if len(times) >= steps:
+                break
+            if drawn == 0:
+                raise ConfigError("measure_data_step: the training loader drew no batch")
     finally:
         torch.set_num_threads(threads)
     return statistics.median(times)

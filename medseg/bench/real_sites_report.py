@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from medseg.bench.protocol import Benchmark, Target, at_least, at_most, figure, table_head, table_row, within
-from medseg.bench.real_sites import GSSP, PEERS
+from medseg.bench.real_sites import GPU_STEP_S, GSSP, PEERS
 
 REGIME_MIN = 20.0
 TIME_LIMIT = 0.5  # best gssp's time to Dice over the best peer's, from launch
@@ -274,10 +274,13 @@ def _step_costs(s: dict[str, Any]) -> str:
     if "data_step_s" not in s:  # a result written before the data work was measured
         return f"one step takes {s['cpu_step_s']:.3f} s on one idle core here, {s['gpu_step_s']} s on a GPU"
     q = min(s["cpu_per_rank"].values())
+    source = (
+        "measured on an H200 (scripts/gpu_check.sh)" if s["gpu_step_s"] == GPU_STEP_S else "from --gpu-step-s"
+    )
     return (
         f"a step here is {s['data_step_s']:.4f} s of data work and {s['cpu_step_s']:.4f} s of network on one idle "
-        f"thread, at {q} core; on a GPU site the same data work and the network's {s['gpu_step_s']} s "
-        "measured on an H200 (scripts/gpu_check.sh)"
+        f"thread, at {q} core; on a GPU site the same data work and the network's {s['gpu_step_s']:.4f} s "
+        + source
     )
 
 

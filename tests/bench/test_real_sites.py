@@ -160,7 +160,9 @@ def test_report_names_the_measured_step_costs() -> None:
     result.update(seeds=3, load_start=[0.1], load_end=[0.2], wall_s=60.0)
     text = intro(result)
     assert "0.0100 s of data work and 0.0500 s of network" in text and "at 0.3 core" in text
-    assert "network's 0.01 s measured on an H200" in text and "k = 10.0" in text
+    assert "network's 0.0100 s measured on an H200" in text and "k = 10.0" in text
+    result["setting"]["gpu_step_s"] = 0.02
+    assert "network's 0.0200 s from --gpu-step-s" in intro(result)
 
 
 def test_bbr_probe_rtt_share() -> None:
