@@ -207,3 +207,17 @@ def test_the_time_target_names_its_seed_by_seed_band() -> None:
     # a seed that never reached the target leaves no band
     res["wan"]["fedavg"]["runs"][0] = {**res["wan"]["fedavg"]["runs"][0], "time_to_dice_job_s": None}
     assert seed_ratios(res, "gssp-topk1", "fedavg") == []
+
+
+def test_step_costs_are_measured_and_leave_the_thread_count_alone(tmp_path: Path) -> None:
+    import torch
+
+    from medseg.datasets.synthetic import make_seg_dataset
+
+    data = make_seg_dataset(tmp_path / "seg", n_train=3, n_test=0, seed=2, size=48, modality="mr")
+    plan = {**json.loads(json.dumps(real_sites.PLAN)), "data": {"dir": str(data), "val_fraction": 0.0}}
+    threads = torch.get_num_threads()
+    d = real_sites.measure_data_step(plan, steps=4)  # 3 cases: the draw runs over two epochs
+    c = real_sites.measure_cpu_step(plan, classes=3, steps=2)
+    assert 0 < d < 10 and 0 < c < 10
+    assert torch.get_num_threads() == threads
