@@ -23,6 +23,9 @@
 #      (test_kernels_native.py), fused layers and converted networks (test_kernels.py), the fused
 #      loss against MONAI (test_kernels_loss.py) and fused with the head (test_kernels_head.py);
 #      JUnit XML per file in OUT_DIR;
+#   (GPU_CHECK_STEPS=step,build,tests,memory names the steps to run, all by default: on a short lease
+#   the memory bench is best given a call of its own; GPU_CHECK_TF32=off runs the tests with TF32
+#   off for cuDNN convolutions and matmuls, to tell TF32 rounding from a kernel's error)
 #   4. the memory benchmark on the GPU (max_memory_allocated), 96^3, baseline / fused / checkpoint,
 #      every case, with the time that is left: OUT_DIR/bench-memory-gpu.json and .md.
 set -uo pipefail
@@ -76,6 +79,9 @@ start = time.monotonic()
 LIMIT = float(os.environ.get("GPU_CHECK_LIMIT_S", 570))  # seconds for everything, inside the 10-minute call
 report: dict = {"ok": False, "steps": {}}
 stdout: dict[str, str] = {}  # each step's whole standard output
+STEPS = set(os.environ.get("GPU_CHECK_STEPS", "step,build,tests,memory").split(","))
+TF32_OFF = os.environ.get("GPU_CHECK_TF32", "on") == "off"
+report["tf32"] = "off" if TF32_OFF else "on (PyTorch's default for cuDNN convolutions)"
 path = os.path.join(out_dir, "gpu_check.json")
 
 
@@ -121,7 +127,7 @@ gpu_step = (
     "import json; from medseg.bench.real_sites import measure_plan_step;"
     "print('GPU_STEP', json.dumps(measure_plan_step('cuda', 200)))"
 )
-if run("GPU step of the real-sites plan", [sys.executable, "-c", gpu_step], 90):
+if "step" in STEPS and run("GPU step of the real-sites plan", [sys.executable, "-c", gpu_step], 90):
     lines = [ln for ln in stdout["GPU step of the real-sites plan"].splitlines() if ln.startswith("GPU_STEP ")]
     try:
         report["gpu_step"] = json.loads(lines[-1].split(" ", 1)[1])
@@ -134,17 +140,20 @@ build = (
     "print('backend for cuda tensors:', native.backend_name('cuda'), 'in %.0f s' % (time.time()-t)); "
     "assert native.backend_name('cuda') == 'native-cuda', 'CUDA kernels did not build (see warning)'"
 )
-built = run("build native CUDA extension (host glue + .cu)", [sys.executable, "-c", build], 300)
-report["native_cuda"] = built
+if "build" in STEPS:
+    report["native_cuda"] = run("build native CUDA extension (host glue + .cu)", [sys.executable, "-c", build], 300)
 tests = {
     "test_kernels_native.py": "cuda",
     "test_kernels_loss.py": "cuda",
     "test_kernels_head.py": "cuda",
     "test_kernels.py": "cuda",
 }
-for name, sel in tests.items():
+pytest = "import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))"
+if TF32_OFF:
+    pytest = "import torch; torch.backends.cudnn.allow_tf32 = False; torch.backends.cuda.matmul.allow_tf32 = False; " + pytest
+for name, sel in tests.items() if "tests" in STEPS else ():
     xml = os.path.join(out_dir, name.replace(".py", ".xml"))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "--import-mode=append"]
+    cmd = [sys.executable, "-c", pytest, "-q", "-p", "no:cacheprovider", "--noconftest", "--import-mode=append"]
     cmd += [f"tests/kernels/{name}", "-k", sel]
     run(f"pytest {name} -k {sel}", cmd + ["--junitxml", xml], 150)
 bench = (
@@ -156,7 +165,8 @@ bench = (
     "'\\n'.join(f\"- {'met' if ok else 'MISSED'}: {n}\" for n, ok in check_targets(r)) + '\\n');"
     "print(format_table(r))"
 )
-run("bench memory --device cuda (96^3, full width)", [sys.executable, "-c", bench], left() - 5)
+if "memory" in STEPS:
+    run("bench memory --device cuda (96^3, full width)", [sys.executable, "-c", bench], left() - 5)
 bench_json = os.path.join(out_dir, "bench-memory-gpu.json")
 if os.path.exists(bench_json):
     with open(bench_json) as fh:
