@@ -50,9 +50,13 @@ by the relay, time per rank.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,68 +198,52 @@ def dilation(data_s: float, cpu_s: float, gpu_s: float) -> float:
     return (data_s + cpu_s) / min(CPU.values()) / (data_s + gpu_s)
 
 
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one thread inside, its thread count as it was afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _batch_seconds(loader: Any) -> Iterator[float]:
+    """Seconds each of ``loader``'s batches took to draw, one epoch."""
+    batches = iter(loader)
+    while True:
+        t0 = time.perf_counter()
+        if next(batches, None) is None:
+            return
+        yield time.perf_counter() - t0
+
+
 def measure_data_step(config: dict[str, Any], steps: int = 60) -> float:
     """Seconds of one training step's data work on one thread: the loader's next batch as ``medseg
     train`` draws it in its own process (``data.num_workers: 0``): MONAI's random patch draw and
     augmentation over the cached cases, and collation. Median of ``steps`` batches."""
-    import statistics
-
-    import torch
-
     from medseg.training.data import make_train_data, seed_epoch
 
     cfg = config_from_dict(config)
     data = make_train_data(cfg)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        times: list[float] = []
-        for epoch in range(steps):  # each epoch draws at least one batch, or this raises
+    times: list[float] = []
+    with _one_thread():
+        for epoch in range(steps):
             seed_epoch(data, cfg.train.seed, epoch)
-            batches, drawn = iter(data.train_loader), 0
-            while len(times) < steps:
-                t0 = time.perf_counter()
-                if next(batches, None) is None:
-                    break
-                times.append(time.perf_counter() - t0)
-                drawn += 1
+            drawn = list(itertools.islice(_batch_seconds(data.train_loader), steps - len(times)))
+            if not drawn:
+                raise ConfigError("measure_data_step: the training loader drew no batch")
+            times += drawn
             if len(times) >= steps:
                 break
-            if drawn == 0:
-                raise ConfigError("measure_data_step: the training loader drew no batch")
-    finally:
-        torch.set_num_threads(threads)
     return statistics.median(times)
 
 
-def measure_plan_step(device: str = "cuda", steps: int = 200) -> dict[str, Any]:
-    """Seconds of one training step of :data:`PLAN`'s network (forward, Dice-CE, backward, AdamW on
-    a step's patches, synchronised), float32 and under bfloat16 autocast (what ``medseg train``
-    runs on CUDA), median of ``steps``, in this process. ``scripts/gpu_check.sh`` runs it on a lent
-    GPU; its ``amp_s`` is the GPU step that :data:`GPU_STEP_S` records."""
-    import torch
-
-    from medseg.kernels.measure import measure
-    from medseg.models import build_network, network_def
-
-    cfg = config_from_dict(PLAN)
-    shape = tuple(cfg.transforms.patch)
-    batch = cfg.train.batch_size * cfg.transforms.num_samples
-    net = network_def(cfg, 3)  # background and the two hippocampus labels
-    times = {
-        f"{name}_s": measure(
-            "unet", "baseline", 0, batch, steps, torch.device(device), 1.0, 3, net, shape, amp
-        )["step_s"]
-        for name, amp in (("fp32", False), ("amp", True))
-    }
-    params = sum(p.numel() for p in build_network(net).parameters())
-    return {**times, "device": device, "shape": list(shape), "batch": batch, "params": params, "steps": steps}
-
-
-def measure_cpu_step(config: dict[str, Any], classes: int, steps: int = 20) -> float:
-    """Seconds of the planned network's step (forward, Dice-CE, backward, AdamW) at the planned
-    patch and batch on one thread, with glibc's own allocator as ``medseg train`` runs it (the
-    memory probe's mmap threshold would add about 70% here), median of ``steps``, in this process."""
+def _network_step(config: dict[str, Any], classes: int, device: str, steps: int, amp: bool) -> dict[str, Any]:
+    """:func:`medseg.kernels.measure.measure` of ``config``'s network at its patch and batch."""
     import torch
 
     from medseg.kernels.measure import measure
@@ -264,16 +252,26 @@ def measure_cpu_step(config: dict[str, Any], classes: int, steps: int = 20) -> f
     cfg = config_from_dict(config)
     batch = cfg.train.batch_size * cfg.transforms.num_samples
     net, shape = network_def(cfg, classes), tuple(cfg.transforms.patch)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return float(
-            measure("unet", "baseline", 0, batch, steps, torch.device("cpu"), 1.0, classes, net, shape)[
-                "step_s"
-            ]
-        )
-    finally:
-        torch.set_num_threads(threads)
+    return measure("unet", "baseline", 0, batch, steps, torch.device(device), 1.0, classes, net, shape, amp)
+
+
+def measure_plan_step(device: str = "cuda", steps: int = 200) -> dict[str, Any]:
+    """Seconds of one training step of :data:`PLAN`'s network (forward, Dice-CE, backward, AdamW on
+    a step's patches, synchronised), float32 and under bfloat16 autocast (what ``medseg train``
+    runs on CUDA), median of ``steps``, in this process. ``scripts/gpu_check.sh`` runs it on a lent
+    GPU; its ``amp_s`` is the GPU step that :data:`GPU_STEP_S` records."""
+    classes = 3  # background and the two hippocampus labels
+    fp32, amp = (_network_step(PLAN, classes, device, steps, amp) for amp in (False, True))
+    keep = {k: fp32[k] for k in ("shape", "batch", "params")}
+    return {"fp32_s": fp32["step_s"], "amp_s": amp["step_s"], "device": device, **keep, "steps": steps}
+
+
+def measure_cpu_step(config: dict[str, Any], classes: int, steps: int = 20) -> float:
+    """Seconds of the planned network's step (forward, Dice-CE, backward, AdamW) at the planned
+    patch and batch on one thread, with glibc's own allocator as ``medseg train`` runs it (the
+    memory probe's mmap threshold would add about 70% here), median of ``steps``, in this process."""
+    with _one_thread():
+        return float(_network_step(config, classes, "cpu", steps, False)["step_s"])
 
 
 def _pooled_folder(out: Path, folders: list[Path]) -> Path:
