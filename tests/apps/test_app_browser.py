@@ -61,12 +61,25 @@ def click_button(driver: webdriver.Chrome, text: str) -> None:
     button.click()
 
 
+def _download_settled(path: Path, last_size: list[int]) -> bool:
+    """True once the file exists, is not empty, no partial download sits beside it, and its size
+    held still since the previous poll (Chromium may show the final name before the bytes land)."""
+    if not path.is_file() or any(path.parent.glob("*.crdownload")):
+        return False
+    size = path.stat().st_size
+    settled = size > 0 and size == last_size[0]
+    last_size[0] = size
+    return settled
+
+
 def downloaded(folder: Path, name: str) -> Path:
     path = folder / name
     deadline = time.time() + 60
-    while not path.is_file() and time.time() < deadline:
+    last_size = [-1]
+    while not _download_settled(path, last_size) and time.time() < deadline:
         time.sleep(0.2)
-    assert path.is_file(), sorted(p.name for p in folder.glob("*")) if folder.is_dir() else "no downloads"
+    listing = sorted(p.name for p in folder.glob("*")) if folder.is_dir() else "no downloads"
+    assert path.is_file() and path.stat().st_size > 0, listing
     return path
 
 
