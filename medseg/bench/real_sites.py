@@ -57,7 +57,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +166,8 @@ class Setting:
     data_step_s: float  # measured seconds of a step's data work on one idle thread (d)
     k: float  # time dilation factor
     seeds: int
+    # config -> its tuned point ({"lr": ..., and a round lever}), from ``bench real-sites-tune``
+    tuned: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def prepare(workdir: Path, data: Path, seeds: int, gpu_step_s: float) -> Setting:
@@ -302,23 +304,35 @@ def network(k: float) -> Any:
 
 
 def job_config(
-    setting: Setting, name: str, dist: dict[str, Any], seed: int, hosts: dict[str, str], probe: bool = False
+    setting: Setting,
+    name: str,
+    dist: dict[str, Any],
+    seed: int,
+    hosts: dict[str, str],
+    probe: bool = False,
+    fixed_epochs: int = 0,
 ) -> dict[str, Any]:
     """The planned config with this config's ``dist``, the sites' own folders and the benchmark's
-    epochs (``probe``: the small bsp-hier probe, :data:`PROBE_EPOCHS` epochs, no target)."""
+    epochs (``probe``: the small bsp-hier probe, :data:`PROBE_EPOCHS` epochs, no target;
+    ``fixed_epochs``: that many epochs and no target, as the tuning jobs train). A ``dist`` key
+    ``lr`` is the optimiser's learning rate (a tuned point), not a sync setting."""
     cfg = json.loads(json.dumps(setting.plan))
     cfg["name"] = name
     cfg["runs_dir"] = str(setting.workdir / "runs" / f"seed{seed}")
     cfg["sites"] = {
         s: {"dir": d["probe" if probe else "train"], "host": hosts[s]} for s, d in setting.sites.items()
     }
+    fixed = PROBE_EPOCHS if probe else fixed_epochs
     cfg["train"].update(
         seed=seed,
         threads=1,
-        epochs=PROBE_EPOCHS if probe else MAX_EPOCHS,
-        min_epochs=PROBE_EPOCHS if probe else EPOCHS,
-        stop_at=0.0 if probe else DICE_TARGET,
+        epochs=fixed or MAX_EPOCHS,
+        min_epochs=fixed or EPOCHS,
+        stop_at=0.0 if fixed else DICE_TARGET,
     )
+    dist = dict(dist)
+    if "lr" in dist:
+        cfg["train"]["lr"] = dist.pop("lr")
     cfg["dist"] = {"timeout_s": TIMEOUT_S, "profile_steps": 5, **dist}
     return cfg
 
@@ -335,16 +349,18 @@ def held_out_dice(run_dir: Path, setting: Setting) -> dict[str, float | None]:
 
 
 def run_config(tb: Any, setting: Setting, name: str, seed: int, probe: bool = False) -> dict[str, Any]:
-    """One job of config ``name`` over the testbed; its figures and its held-out Dice."""
+    """One job of config ``name`` (its tuned point where :attr:`Setting.tuned` has one) over the
+    testbed; its figures and its held-out Dice."""
     from medseg.bench.sites import launch_job
     from medseg.bench.sites_figures import job_figures
 
     hosts = {s.name: s.job_ip for s in tb.sites}
-    raw = job_config(setting, f"{name}-probe" if probe else name, CONFIGS[name], seed, hosts, probe)
+    dist = {**CONFIGS[name], **setting.tuned.get(name, {})}
+    raw = job_config(setting, f"{name}-probe" if probe else name, dist, seed, hosts, probe)
     cfg = config_from_dict(raw)
     run = launch_job(tb, cfg, Path(raw["runs_dir"]) / f"{raw['name']}.yaml", SITES)
     epochs = PROBE_EPOCHS if probe else EPOCHS
-    fig = job_figures(*run, epochs, 2.0 if probe else DICE_TARGET, CONFIGS[name])
+    fig = job_figures(*run, epochs, 2.0 if probe else DICE_TARGET, dist)
     if not probe:
         fig["held_out"] = held_out_dice(cfg.run_dir, setting)
     return fig
@@ -356,9 +372,12 @@ def bench_real_sites(
     seeds: int = 3,
     configs: list[str] | None = None,
     gpu_step_s: float = GPU_STEP_S,
+    tuned: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The whole benchmark in one invocation: the no-WAN control (bsp-hier), then the dilated WAN
-    (the bsp-hier probe and every config), ``seeds`` seeds each."""
+    (the bsp-hier probe and every config), ``seeds`` seeds each; ``tuned``: each config's point
+    chosen by ``bench real-sites-tune`` (:func:`medseg.bench.real_sites_tune.winners`)."""
+    import dataclasses
     import os
 
     from medseg.distributed.testbed.testbed import testbed
@@ -372,9 +391,9 @@ def bench_real_sites(
     if gpu_step_s <= 0:
         raise ConfigError(f"--gpu-step-s must be > 0 (got {gpu_step_s})")
     out: dict[str, Any] = {"seeds": seeds, "load_start": os.getloadavg(), "started": time.time()}
-    setting = prepare(workdir, data, seeds, gpu_step_s)
+    setting = dataclasses.replace(prepare(workdir, data, seeds, gpu_step_s), tuned=tuned or {})
     net = network(setting.k)
-    out["setting"] = _setting_record(setting, gpu_step_s, net)
+    out["setting"] = setting_record(setting, gpu_step_s, net)
     out["lan"] = {}
     with testbed(sites=SITES, wan="none", cpu=CPU) as tb:
         out["lan"]["bsp-hier"] = _seeds(tb, setting, "bsp-hier")
@@ -404,7 +423,7 @@ def _seeds(tb: Any, setting: Setting, name: str) -> dict[str, Any]:
     return agg
 
 
-def _setting_record(setting: Setting, gpu_step_s: float, net: Any) -> dict[str, Any]:
+def setting_record(setting: Setting, gpu_step_s: float, net: Any) -> dict[str, Any]:
     m = setting.plan["model"]
     return {
         "sites": SITES,
@@ -424,4 +443,5 @@ def _setting_record(setting: Setting, gpu_step_s: float, net: Any) -> dict[str, 
         "max_epochs": MAX_EPOCHS,
         "dice_target": DICE_TARGET,
         "configs": {n: CONFIGS[n] for n in CONFIGS},
+        "tuned": setting.tuned,
     }

@@ -284,6 +284,15 @@ def _step_costs(s: dict[str, Any]) -> str:
     )
 
 
+def _tuned_text(s: dict[str, Any]) -> str:
+    """The tuned points the configs trained with (``--tuned``), or that none were."""
+    tuned = s.get("tuned") or {}
+    if not tuned:
+        return " for every config (not tuned: no `--tuned` file)"
+    points = "; ".join(f"{n} " + ", ".join(f"{k} {v:g}" for k, v in p.items()) for n, p in tuned.items())
+    return f" where not tuned; tuned by `medseg bench real-sites-tune`: {points}"
+
+
 def intro(result: dict[str, Any]) -> str:
     s = result["setting"]
     return (
@@ -291,7 +300,7 @@ def intro(result: dict[str, Any]) -> str:
         f"Task04_Hippocampus dealt to sites {s['counts']} (each keeps {s['held_out']} cases it never trains or "
         f"selects on; the uint8-stored cases at site c), ranks {s['sites']} at {s['cpu_per_rank']} core per rank. "
         f"Model and patch from `medseg plan` on the pooled training cases: {s['model']}, patch {s['patch']}, "
-        f"lr {s['lr']}. Nominal links {s['links_nominal']}; {_step_costs(s)}, so the links are dilated by "
+        f"lr {s['lr']}{_tuned_text(s)}. Nominal links {s['links_nominal']}; {_step_costs(s)}, so the links are dilated by "
         f"k = {s['k']:.1f} "
         f"({s['links_dilated']}). {s['epochs']} equal epochs, then up to {s['max_epochs']} until the mean "
         f"validation Dice reaches {s['dice_target']}. {result['seeds']} seed(s); load average "

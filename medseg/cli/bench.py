@@ -64,12 +64,27 @@ def _sites(args: argparse.Namespace) -> None:
 def _real_sites(args: argparse.Namespace) -> None:
     from medseg.bench.real_sites import bench_real_sites
     from medseg.bench.real_sites_report import check_targets, format_table, write_report
+    from medseg.bench.real_sites_tune import tuned_points
 
     result = bench_real_sites(
         args.workdir,
         args.data,
         seeds=args.seeds,
         configs=args.configs.split(",") if args.configs else None,
+        gpu_step_s=args.gpu_step_s,
+        tuned=tuned_points(_read_json(args.tuned, "--tuned")) if args.tuned else None,
+    )
+    _report(result, args, write_report, format_table, check_targets)
+
+
+def _real_sites_tune(args: argparse.Namespace) -> None:
+    from medseg.bench.real_sites_tune import check_targets, format_table, tune_real_sites, write_report
+
+    result = tune_real_sites(
+        args.workdir,
+        args.data,
+        configs=args.configs.split(",") if args.configs else None,
+        epochs=args.epochs,
         gpu_step_s=args.gpu_step_s,
     )
     _report(result, args, write_report, format_table, check_targets)
@@ -176,27 +191,51 @@ def _add_real_sites(bench: argparse._SubParsersAction) -> None:
         "real-sites",
         help="real MR across three unlike sites, links dilated to a GPU's cost, gssp against the peers; root only",
     )
+    s.add_argument("--seeds", type=int, default=3, help="seeds per config (default 3)")
+    s.add_argument(
+        "--tuned",
+        type=Path,
+        help="a `bench real-sites-tune` JSON: each config trains with its chosen lr and round lever",
+    )
+    _add_real_sites_common(s, CONFIGS, GPU_STEP_S, "runs/bench-real-sites")
+    s.set_defaults(func=_real_sites)
+
+
+def _add_real_sites_common(
+    s: argparse.ArgumentParser, configs: dict, gpu_step_s: float, workdir: str
+) -> None:
+    """The options ``real-sites`` and ``real-sites-tune`` share: data, reports, configs, dilation, workdir."""
     s.add_argument(
         "--data", type=Path, required=True, help="a Decathlon-layout dataset (e.g. Task04_Hippocampus)"
     )
     s.add_argument("--json", type=Path, required=True, help="write the results here")
-    s.add_argument("--markdown", type=Path, help="update this markdown file's real-sites section")
-    s.add_argument("--seeds", type=int, default=3, help="seeds per config (default 3)")
-    s.add_argument("--configs", help=f"comma-separated subset of {','.join(CONFIGS)} (bsp-hier is required)")
+    s.add_argument("--markdown", type=Path, help="update this markdown file's section")
+    s.add_argument("--configs", help=f"comma-separated subset of {','.join(configs)}")
     s.add_argument(
         "--gpu-step-s",
         type=float,
-        default=GPU_STEP_S,
-        help=f"a GPU site's seconds per network step of the planned model (default {GPU_STEP_S}, measured on an "
+        default=gpu_step_s,
+        help=f"a GPU site's seconds per network step of the planned model (default {gpu_step_s}, measured on an "
         "H200 by scripts/gpu_check.sh): sets the dilation",
     )
     s.add_argument(
-        "--workdir",
-        type=Path,
-        default=Path("runs/bench-real-sites"),
-        help="site folders and runs of the benchmark",
+        "--workdir", type=Path, default=Path(workdir), help="site folders and runs of the benchmark"
     )
-    s.set_defaults(func=_real_sites)
+
+
+def _add_real_sites_tune(bench: argparse._SubParsersAction) -> None:
+    from medseg.bench.real_sites import CONFIGS, GPU_STEP_S
+    from medseg.bench.real_sites_tune import TUNE_EPOCHS
+
+    s = bench.add_parser(
+        "real-sites-tune",
+        help="each real-sites config's lr and round lever chosen by one rule on validation; root only",
+    )
+    s.add_argument(
+        "--epochs", type=int, default=TUNE_EPOCHS, help=f"epochs per grid point (default {TUNE_EPOCHS})"
+    )
+    _add_real_sites_common(s, CONFIGS, GPU_STEP_S, "runs/bench-real-sites-tune")
+    s.set_defaults(func=_real_sites_tune)
 
 
 def _add_memory(bench: argparse._SubParsersAction) -> None:
@@ -277,5 +316,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_sites(bench)
     _add_real_sites(bench)
+    _add_real_sites_tune(bench)
     _add_memory(bench)
     _add_infer(bench)
