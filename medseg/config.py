@@ -103,6 +103,9 @@ class TrainConfig:
     val_interval: int = 1
     stop_at: float = 0.0  # stop once the key validation metric reaches this (0 = train every epoch)
     min_epochs: int = 0  # ... but not before this epoch
+    # stop after this epoch as an interruption would (checkpoint, no bundle; --resume goes on), the
+    # schedule still planned over ``epochs``: a run's first epochs alone (0 = train to ``epochs``)
+    until_epoch: int = 0
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     amp: bool = True  # mixed precision, used on CUDA only
@@ -360,6 +363,8 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"train.{key}: must be at least 1")
     if cfg.train.lr <= 0:
         raise ConfigError("train.lr: must be positive")
+    if not 0 <= cfg.train.until_epoch <= cfg.train.epochs:
+        raise ConfigError(f"train.until_epoch: expected 0 (off) to train.epochs ({cfg.train.epochs})")
     d = cfg.dist
     if (
         d.staleness < 0

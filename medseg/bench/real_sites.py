@@ -314,21 +314,22 @@ def job_config(
 ) -> dict[str, Any]:
     """The planned config with this config's ``dist``, the sites' own folders and the benchmark's
     epochs (``probe``: the small bsp-hier probe, :data:`PROBE_EPOCHS` epochs, no target;
-    ``fixed_epochs``: that many epochs and no target, as the tuning jobs train). A ``dist`` key
-    ``lr`` is the optimiser's learning rate (a tuned point), not a sync setting."""
+    ``fixed_epochs``: the table's schedule over :data:`MAX_EPOCHS`, stopped after that many epochs
+    without a target, as the tuning jobs train). A ``dist`` key ``lr`` is the optimiser's learning
+    rate (a tuned point), not a sync setting."""
     cfg = json.loads(json.dumps(setting.plan))
     cfg["name"] = name
     cfg["runs_dir"] = str(setting.workdir / "runs" / f"seed{seed}")
     cfg["sites"] = {
         s: {"dir": d["probe" if probe else "train"], "host": hosts[s]} for s, d in setting.sites.items()
     }
-    fixed = PROBE_EPOCHS if probe else fixed_epochs
     cfg["train"].update(
         seed=seed,
         threads=1,
-        epochs=fixed or MAX_EPOCHS,
-        min_epochs=fixed or EPOCHS,
-        stop_at=0.0 if fixed else DICE_TARGET,
+        epochs=PROBE_EPOCHS if probe else MAX_EPOCHS,
+        min_epochs=PROBE_EPOCHS if probe else EPOCHS,
+        stop_at=0.0 if probe or fixed_epochs else DICE_TARGET,
+        until_epoch=fixed_epochs,
     )
     dist = dict(dist)
     if "lr" in dist:

@@ -49,9 +49,9 @@ def train(
 ) -> TrainResult:
     """Train ``cfg`` from scratch, or continue the run in ``cfg.run_dir`` when ``resume`` is true.
 
-    ``until_epoch`` stops after that epoch as an interruption would (checkpoint written, no bundle),
-    so a run can be trained in slices; ``resume`` picks it up. Inside a rank started by
-    ``medseg train --np N`` the same function runs on every rank; rank 0 alone writes the run
+    ``until_epoch`` (else ``train.until_epoch``) stops after that epoch as an interruption would
+    (checkpoint written, no bundle), so a run can be trained in slices; ``resume`` picks it up.
+    Inside a rank started by ``medseg train --np N`` the same function runs on every rank; rank 0 alone writes the run
     folder (checkpoints, metrics, plots, bundle). Test-only emulation (a slow rank or phase) enters through
     :mod:`medseg.distributed.emulation`, never through this function.
     """
@@ -70,7 +70,8 @@ def train(
             )  # a clear error when a file stands in the way
             handler = _attach_log_file(paths.run_dir)
         state = session.share_state(state)
-        return _train(cfg, session, state, paths, progress, until_epoch or cfg.train.epochs)
+        stop = until_epoch or cfg.train.until_epoch or cfg.train.epochs
+        return _train(cfg, session, state, paths, progress, stop)
     except MedsegError as exc:
         # the launcher shows it instead of "rank R failed"; a refused update names the rank that sent it
         refused = exc.rank if isinstance(exc, UpdateRefused) else None

@@ -58,11 +58,14 @@ def test_a_tuning_job_trains_its_point_for_fixed_epochs_without_a_target(tmp_pat
     dist = {**real_sites.CONFIGS["fedavg"], "lr": 0.01, "local_epochs": 2}
     cfg = real_sites.job_config(_setting(tmp_path), "t", dist, 100, hosts, fixed_epochs=4)
     assert cfg["train"]["lr"] == 0.01 and "lr" not in cfg["dist"] and cfg["dist"]["local_epochs"] == 2
-    assert (cfg["train"]["epochs"], cfg["train"]["min_epochs"], cfg["train"]["stop_at"]) == (4, 4, 0.0)
-    table = real_sites.job_config(_setting(tmp_path), "t", real_sites.CONFIGS["gssp"], 0, hosts)
-    assert table["train"]["lr"] == real_sites.PLAN["train"]["lr"]
-    assert (table["train"]["epochs"], table["train"]["stop_at"]) == (
+    # the table's schedule (its cosine over MAX_EPOCHS), cut after 4 epochs, no target
+    t = cfg["train"]
+    assert (t["epochs"], t["until_epoch"], t["stop_at"]) == (real_sites.MAX_EPOCHS, 4, 0.0)
+    table = real_sites.job_config(_setting(tmp_path), "t", real_sites.CONFIGS["gssp"], 0, hosts)["train"]
+    assert table["lr"] == real_sites.PLAN["train"]["lr"]
+    assert (table["epochs"], table["until_epoch"], table["stop_at"]) == (
         real_sites.MAX_EPOCHS,
+        0,
         real_sites.DICE_TARGET,
     )
 

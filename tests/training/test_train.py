@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from medseg.checkpoint import load_checkpoint
+from medseg.config import config_from_dict
 from medseg.errors import ConfigError, RunError
 from medseg.training.loop import train
 from medseg.training.runlog import read_metrics
@@ -49,6 +50,21 @@ def test_resume_repeats_the_uninterrupted_run(seg_data: Path, tmp_path: Path) ->
     for key in wa:
         torch.testing.assert_close(wb[key], wa[key], rtol=1e-6, atol=1e-7)
     assert (part.run_dir / "bundle" / "models" / "model.pt").is_file()
+
+
+def test_until_epoch_in_the_config_stops_there_on_the_whole_runs_schedule(
+    seg_data: Path, tmp_path: Path
+) -> None:
+    cfg = tiny_seg_config(seg_data, tmp_path, name="first", epochs=4)
+    cfg.train.until_epoch = 2
+    part = train(cfg, progress=False)
+    assert part.epochs == 2 and not (part.run_dir / "bundle").exists()
+    # the cosine schedule still spans the 4 epochs: after 2 of them lr is half the base, not 0
+    lr = [r["lr"] for r in read_metrics(part.run_dir / "metrics.jsonl")]
+    assert lr[-1] == pytest.approx(cfg.train.lr * 0.5, rel=1e-6), lr
+    cfg.train.until_epoch = 5
+    with pytest.raises(ConfigError, match="until_epoch"):
+        config_from_dict(cfg.to_dict())
 
 
 class _Killed(Exception):
