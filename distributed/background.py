@@ -31,6 +31,11 @@ class InBackground:
         """The error ``fn`` raised if it has already ended with one; never waits."""
         return None if self._thread.is_alive() else self._error
 
+    def wait(self, timeout_s: float | None) -> bool:
+        """Whether ``fn`` has ended, after waiting at most ``timeout_s`` (None: until it ends)."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def result(self) -> Any:
         self._thread.join()
         if self._error is not None:

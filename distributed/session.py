@@ -86,19 +86,11 @@ class HorovodSession(LocalSession):
         os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = "0"
         self.startup: dict[str, float] = {}  # seconds of each start-up phase, in order
         assert secret is not None
-        opening = channel_startup.start_beside_horovod(cfg.dist.timeout_s, secret)
-        tic = time.perf_counter()
-        channel_startup.init_horovod(hvd, opening)
-        self.rank, self.size = hvd.rank(), hvd.size()
+        (self.channel, self.hosts, phases), self._horovod = channel_startup.start_rank(
+            hvd, cfg.dist.sync, cfg.dist.timeout_s, secret, self.startup
+        )
+        self.rank, self.size = self.channel.rank, self.channel.size
         self.is_chief = self.rank == 0
-        tic = self._startup_phase("horovod_init", tic)
-        if opening is not None:  # built beside hvd.init(): its phases overlap horovod_init
-            self.channel, self.hosts, phases = channel_startup.joined(opening, self.rank, self.size)
-            self._startup_phase("channel_wait", tic)
-        else:
-            self.channel, self.hosts, phases = channel_startup.start_after_horovod(
-                hvd, cfg.dist.timeout_s, secret
-            )
         self.startup.update(phases)
         self.rank_sites = self._sites(cfg)
         self.site = self.rank_sites[self.rank] if cfg.sites else None
@@ -427,6 +419,7 @@ class HorovodSession(LocalSession):
             self.setup_wan_bytes += vector.numel() * 4 * sum(h != self.hosts[0] for h in self.hosts)
         sites = site_lists(self.rank_sites)  # one per sites: entry, else per host
         if d.sync in ("bsp", "bsp-hier"):
+            self._horovod.ended(None)
             self.optimizer = BulkSynchronous(
                 optimizer,
                 model,
@@ -581,7 +574,8 @@ class HorovodSession(LocalSession):
         self.beats.set_phase("done")  # the watchdog stops expecting beats from this rank
         self.beats.close()
         self.channel.close()
-        self.hvd.shutdown()
+        if self._horovod.ended(self.dist.timeout_s):
+            self.hvd.shutdown()
         audit.stop()
 
 

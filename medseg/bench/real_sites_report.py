@@ -232,8 +232,9 @@ def format_table(result: dict[str, Any]) -> str:
     lines += [
         "",
         "Start-up, first seed (s; launch to ranks up, then each phase on its slowest rank; where "
-        "`channel wait` is listed, the phases from channel address to hostnames ran beside horovod init "
-        "and channel wait is what was left of them after it):",
+        "`channel wait` is listed (bsp-hier), the phases from channel address to hostnames ran beside "
+        "horovod init and channel wait is what was left of them after it; elsewhere horovod init ran "
+        "beside the whole start-up and training, listed when it had ended by the start-up's report):",
         "",
     ]
     for name, where, c in rows:

@@ -146,3 +146,43 @@ def test_two_ranks_build_the_channel_from_horovodruns_environment_alone(server) 
     for r, s in enumerate(seen):
         assert s["rank"] == r and s["hosts"] == ["site0", "site1"] and s["gathered"] == [1, 2]
         assert s["phases"] == ["channel_address", "channel_store", "channel_world", "hostnames"]
+
+
+class _SlowInit:
+    """A Horovod whose init waits until the test releases it (a rendezvous across slow links)."""
+
+    def __init__(self) -> None:
+        self.release, self.ended = threading.Event(), False
+
+    def init(self) -> None:
+        self.release.wait(30)  # bounded: a start-up that waited for it fails below, not hangs
+        self.ended = True
+
+    def rank(self) -> int:
+        return 1
+
+    def size(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize("sync", ["gssp", "fedavg", "bsp-hier", "bsp"])
+def test_only_the_syncs_that_call_horovod_wait_for_its_init(sync, monkeypatch) -> None:
+    built = (SimpleNamespace(rank=1, size=2), ["a", "b"], {"channel_world": 1.0})
+    monkeypatch.setattr(channel_startup, "start_beside_horovod", lambda *a: InBackground(lambda: built))
+    monkeypatch.setenv("HOROVOD_DYNAMIC_PROCESS_SETS", "1")  # as MONAI's import of ignite leaves it
+    hvd, startup = _SlowInit(), {}
+    if sync in channel_startup.HOROVOD_SYNCS:
+        hvd.release.set()
+    started, pending = channel_startup.start_rank(hvd, sync, 30.0, b"k", startup)
+    assert started == built and os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] == "0"
+    if sync in ("bsp", "bsp-hier"):  # their collectives need Horovod: it has ended before training
+        assert pending.pending is None and hvd.ended and {"horovod_init", "channel_wait"} <= set(startup)
+        return
+    assert pending.pending is not None and not hvd.ended  # training goes on while the init runs
+    assert not pending.ended(0.05)
+    hvd.release.set()
+    assert pending.ended(30) and hvd.ended and "horovod_init" in startup
+    # the channel's place and Horovod's must agree once the init has ended
+    late = channel_startup.HorovodInit(hvd, InBackground(lambda: None), 0, 2)
+    with pytest.raises(RunError, match="say rank 0 of 2, Horovod says 1 of 2"):
+        late.ended(30)
