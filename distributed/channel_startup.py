@@ -28,7 +28,8 @@ from medseg.errors import RunError
 
 Started = tuple[Channel, list[str], dict[str, float]]  # channel, every rank's host, start-up phases (s)
 # syncs that call Horovod during training (plain bsp's collectives; bsp-hier asks it for rank and
-# size): their ranks wait for ``hvd.init()`` before training, the others only at the job's end
+# size): their ranks wait for ``hvd.init()`` before training, the others only at the job's end. A
+# sync added later that calls Horovod belongs here (the session also waits before BulkSynchronous).
 HOROVOD_SYNCS = ("bsp", "bsp-hier")
 
 
@@ -137,8 +138,9 @@ def start_rank(
     gets the init back to wait for (:func:`init_beside`), else it waits for both here. Otherwise
     the channel is built after ``hvd.init()``. ``startup`` receives ``horovod_init`` and
     ``channel_wait`` (what remained of the channel's phases after the init)."""
-    # MONAI's import of pytorch-ignite sets HOROVOD_DYNAMIC_PROCESS_SETS=1 for its own process
-    # groups; with it Horovod adds a collective across every rank (the WAN here) to each cycle.
+    # pytorch-ignite sets HOROVOD_DYNAMIC_PROCESS_SETS=1 when imported (MONAI imports it, e.g. in a
+    # benchmark that launches the ranks, whose environment they inherit); with it Horovod adds a
+    # collective over every rank, across the WAN, to each cycle. medseg adds no process set later.
     os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "0"
     opening = start_beside_horovod(timeout_s, secret)
     if opening is not None and sync not in HOROVOD_SYNCS:

@@ -84,7 +84,7 @@ class HorovodSession(LocalSession):
         # Horovod's stall inspector may warn; it must not shut the job down: the watchdog decides.
         os.environ.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(max(int(cfg.dist.timeout_s) // 2, 1)))
         os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = "0"
-        self.startup: dict[str, float] = {}  # seconds of each start-up phase, in order
+        self.startup: dict[str, float] = {}  # seconds of each start-up phase
         assert secret is not None
         (self.channel, self.hosts, phases), self._horovod = channel_startup.start_rank(
             hvd, cfg.dist.sync, cfg.dist.timeout_s, secret, self.startup
@@ -574,9 +574,15 @@ class HorovodSession(LocalSession):
         self.beats.set_phase("done")  # the watchdog stops expecting beats from this rank
         self.beats.close()
         self.channel.close()
-        if self._horovod.ended(self.dist.timeout_s):
-            self.hvd.shutdown()
-        audit.stop()
+        try:
+            if self._horovod.ended(self.dist.timeout_s):
+                self.hvd.shutdown()
+            else:
+                log.warning("rank %d: hvd.init() had not ended; Horovod is left as it is", self.rank)
+        except Exception as exc:  # a rank that trained on the channel alone: its run stands
+            log.warning("rank %d: Horovod's init failed beside training (%s); not shut down", self.rank, exc)
+        finally:
+            audit.stop()
 
 
 def open_session(cfg: Config) -> LocalSession:

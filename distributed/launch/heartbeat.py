@@ -276,8 +276,8 @@ class Watchdog:
                 if now - self.started > grace:
                     return r, f"{describe(r, None)} never reported (for {now - self.started:.0f} s)"
                 continue
-            # Horovod's init holds the GIL while it waits for every rank's rendezvous, so the beat
-            # thread is silent then: a rank still starting gets the start-up grace, not the timeout.
+            # a rank still starting (Horovod's rendezvous, the channel's, loading its cases) may be
+            # slow to beat on a loaded host: it gets the start-up grace, not the timeout
             limit = grace if st.phase == "start" else self.timeout_s
             if now - st.last_seen > limit:
                 return r, (

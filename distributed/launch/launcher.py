@@ -536,7 +536,8 @@ def skip_unused_imports() -> None:
 def end_rank() -> NoReturn:
     """End a rank whose training has returned: flush its output, then leave with ``os._exit(0)``.
 
-    By then the session is closed (Horovod shut down, beats and channel closed) and every file the
+    By then the session is closed (beats and channel closed, Horovod shut down unless its init had
+    not ended within ``dist.timeout_s``: :class:`~medseg.distributed.channel_startup.HorovodInit`) and every file the
     rank wrote is closed. What a normal interpreter exit would still do is tear down the modules of
     PyTorch, MONAI and Horovod: about a second of CPU, which a rank of the slow site of
     ``medseg bench sites`` (a quarter-core quota) pays four times over in wall time before
