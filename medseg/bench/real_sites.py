@@ -192,6 +192,12 @@ def prepare(workdir: Path, data: Path, seeds: int, gpu_step_s: float) -> Setting
         for s in COUNTS
     }
     k = dilation(data_step_s, cpu_step_s, gpu_step_s)
+    log.info(
+        "bench real-sites: data step %.4f s, network step %.4f s (one thread): k = %.1f",
+        data_step_s,
+        cpu_step_s,
+        k,
+    )
     return Setting(workdir, sites, planned, cpu_step_s, data_step_s, k, seeds)
 
 
