@@ -20,6 +20,7 @@ from typing import Any
 
 from medseg.bench.protocol import Benchmark, Target, at_least, at_most, figure, table_head, table_row, within
 from medseg.bench.real_sites import GPU_STEP_S, GSSP, PEERS
+from medseg.bench.real_sites_tune import point_text
 
 REGIME_MIN = 20.0
 TIME_LIMIT = 0.5  # best gssp's time to Dice over the best peer's, from launch
@@ -290,7 +291,7 @@ def _tuned_text(s: dict[str, Any]) -> str:
     tuned = s.get("tuned") or {}
     if not tuned:
         return " for every config (not tuned: no `--tuned` file)"
-    points = "; ".join(f"{n} " + ", ".join(f"{k} {v:g}" for k, v in p.items()) for n, p in tuned.items())
+    points = "; ".join(f"{n} {point_text(p)}" for n, p in tuned.items())
     return f" where not tuned; tuned by `medseg bench real-sites-tune`: {points}"
 
 

@@ -178,7 +178,8 @@ def check_targets(result: dict[str, Any]) -> list[Target]:
     ]
 
 
-def _point_text(point: dict[str, float]) -> str:
+def point_text(point: dict[str, float]) -> str:
+    """A grid point as text: ``lr 0.003, local_epochs 1``."""
     return ", ".join(f"{k} {v:g}" for k, v in point.items())
 
 
@@ -193,7 +194,7 @@ def format_table(result: dict[str, Any]) -> str:
             rows.append(
                 table_row(
                     name,
-                    _point_text(r["point"]),
+                    point_text(r["point"]),
                     dice,
                     job,
                     "yes" if r["point"] == result["winners"][name] else "",
@@ -209,7 +210,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
             for r in rs:
                 pts = [(t, d) for t, d in r.get("curve") or [] if d is not None]
                 style = "-" if r["point"] == result["winners"][name] else ":"
-                ax.plot([t for t, _ in pts], [d for _, d in pts], style, label=_point_text(r["point"]))
+                ax.plot([t for t, _ in pts], [d for _, d in pts], style, label=point_text(r["point"]))
             ax.set_title(name)
             ax.set_xlabel("training s")
             ax.legend(fontsize=6)
