@@ -156,13 +156,17 @@ for name, sel in tests.items() if "tests" in STEPS else ():
     cmd = [sys.executable, "-c", pytest, "-q", "-p", "no:cacheprovider", "--noconftest", "--import-mode=append"]
     cmd += [f"tests/kernels/{name}", "-k", sel]
     run(f"pytest {name} -k {sel}", cmd + ["--junitxml", xml], 150)
-bench = (
-    "import json, sys; from medseg.bench.memory import bench_memory, check_targets, format_table, write_report;"
+bench = (  # one net at a time, the report rewritten after each: a step cut by the limit keeps what finished
+    "import json, sys; from medseg.bench.memory import CASES, bench_memory, check_targets, format_table, write_report;"
     "from pathlib import Path;"
-    "r = bench_memory(quick=False, device='cuda', variants=('baseline', 'fused', 'checkpoint'), steps=5);"
-    f"write_report(r, Path({out_dir!r}) / 'bench-memory-gpu.json', None);"
-    f"Path({out_dir!r}, 'bench-memory-gpu.md').write_text(format_table(r) + '\\n\\n' + "
-    "'\\n'.join(f\"- {'met' if ok else 'MISSED'}: {n}\" for n, ok in check_targets(r)) + '\\n');"
+    "r = None\n"
+    "for net in CASES:\n"
+    "    part = bench_memory(quick=False, device='cuda', nets=(net,), variants=('baseline', 'fused', 'checkpoint'), steps=5)\n"
+    "    if r is None: r = part\n"
+    "    else: [r[key].update(part[key]) for key in ('nets', 'cases', 'patches')]\n"
+    f"    write_report(r, Path({out_dir!r}) / 'bench-memory-gpu.json', None)\n"
+    f"    Path({out_dir!r}, 'bench-memory-gpu.md').write_text(format_table(r) + '\\n\\n' + "
+    "'\\n'.join(f\"- {'met' if ok else 'MISSED'}: {n}\" for n, ok in check_targets(r)) + '\\n')\n"
     "print(format_table(r))"
 )
 if "memory" in STEPS:

@@ -167,6 +167,37 @@ def tune_real_sites(
     return out
 
 
+def check_same_rule(earlier: dict[str, Any], epochs: int) -> None:
+    """Raise unless ``earlier`` is a tuning document made by this rule with ``epochs`` per point."""
+    rule, ours = ("epochs", "seed", "tie"), [epochs, TUNE_SEED, TIE]
+    theirs = [earlier.get(k) for k in rule]
+    if theirs != ours or not all(isinstance(earlier.get(k), dict) for k in ("grid", "scores", "winners")):
+        raise ConfigError(
+            f"--add-to: the earlier file's rule {theirs} is not this run's {ours} (epochs, seed, tie), "
+            "or it holds no grid, scores and winners"
+        )
+
+
+def _invocation(doc: dict[str, Any]) -> dict[str, Any]:
+    """What one tuning invocation was run on: its configs, dilation, load and wall time."""
+    keys = ("started", "load_start", "load_end", "wall_s")
+    return {"configs": list(doc["scores"]), "k": doc["setting"]["k"], **{k: doc[k] for k in keys}}
+
+
+def add_to(earlier: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new``'s configs added to ``earlier``, a tuning document of the same rule (epochs, seed, tie):
+    a config's grid is scored on its own, so configs tuned in two invocations are chosen by the same
+    rule; ``new`` replaces what ``earlier`` holds for its configs, and ``invocations`` lists both runs
+    (each with its own measured dilation k and load)."""
+    check_same_rule(earlier, new["epochs"])
+    out = dict(new)
+    runs = earlier.get("invocations") or [_invocation(earlier)]
+    out["invocations"] = [*runs, _invocation(new)]
+    for key in ("grid", "scores", "winners"):
+        out[key] = {**{n: v for n, v in earlier[key].items() if n not in new[key]}, **new[key]}
+    return out
+
+
 def check_targets(result: dict[str, Any]) -> list[Target]:
     """Every grid point trained to its last epoch, so every winner was chosen from its whole grid."""
     failed = [f"{n} {r['point']}" for n, rs in result["scores"].items() for r in rs if r["dice"] is None]
@@ -218,17 +249,24 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def intro(result: dict[str, Any]) -> str:
-    s = result["setting"]
     return (
         "## Tuning the real-sites configs: `medseg bench real-sites-tune`\n\n"
         f"Every config's grid (lr in {list(LR_GRID)}; fedavg's local epochs and diloco's inner steps in "
         f"{ {n: dict(v) for n, v in LEVERS.items()} }), one job per point: seed {result['seed']}, "
         f"{result['epochs']} epochs, no early stop; bsp-hier on the no-WAN control, the others on the links "
-        f"dilated by k = {s['k']:.1f}. Score: the case-weighted mean validation Dice after the last epoch "
+        "dilated by k (each invocation's k below). Score: the case-weighted mean validation Dice after the last epoch "
         "(validation: a fifth of each site's training cases; the held-out cases are not used). Chosen: the "
-        f"first point in grid order within {result['tie']} of the best. Load average "
-        f"{result['load_start'][0]:.2f} at the start, {result['load_end'][0]:.2f} at the end; "
-        f"{result['wall_s'] / 60:.0f} min in all."
+        f"first point in grid order within {result['tie']} of the best. "
+        + "; ".join(_invocation_text(r) for r in result.get("invocations") or [_invocation(result)])
+        + "."
+    )
+
+
+def _invocation_text(run: dict[str, Any]) -> str:
+    day = time.strftime("%Y-%m-%d", time.gmtime(run["started"]))
+    return (
+        f"{', '.join(run['configs'])}: tuned {day} at k = {run['k']:.1f}, load average "
+        f"{run['load_start'][0]:.2f} at the start, {run['load_end'][0]:.2f} at the end, {run['wall_s'] / 60:.0f} min"
     )
 
 

@@ -78,16 +78,21 @@ def _real_sites(args: argparse.Namespace) -> None:
 
 
 def _real_sites_tune(args: argparse.Namespace) -> None:
-    from medseg.bench.real_sites_tune import check_targets, format_table, tune_real_sites, write_report
+    from medseg.bench import real_sites_tune as tune
 
-    result = tune_real_sites(
+    earlier = _read_json(args.add_to, "--add-to") if args.add_to else None
+    if earlier is not None:
+        tune.check_same_rule(earlier, args.epochs)  # before the hours of training, not after
+    result = tune.tune_real_sites(
         args.workdir,
         args.data,
         configs=args.configs.split(",") if args.configs else None,
         epochs=args.epochs,
         gpu_step_s=args.gpu_step_s,
     )
-    _report(result, args, write_report, format_table, check_targets)
+    if earlier is not None:
+        result = tune.add_to(earlier, result)
+    _report(result, args, tune.write_report, tune.format_table, tune.check_targets)
 
 
 def _memory(args: argparse.Namespace) -> None:
@@ -233,6 +238,11 @@ def _add_real_sites_tune(bench: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--epochs", type=int, default=TUNE_EPOCHS, help=f"epochs per grid point (default {TUNE_EPOCHS})"
+    )
+    s.add_argument(
+        "--add-to",
+        type=Path,
+        help="an earlier real-sites-tune JSON of the same rule: its other configs are kept beside this run's",
     )
     _add_real_sites_common(s, CONFIGS, GPU_STEP_S, "runs/bench-real-sites-tune")
     s.set_defaults(func=_real_sites_tune)
