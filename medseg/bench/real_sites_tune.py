@@ -194,7 +194,7 @@ def add_to(earlier: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     runs = earlier.get("invocations") or [_invocation(earlier)]
     out["invocations"] = [*runs, _invocation(new)]
     for key in ("grid", "scores", "winners"):
-        out[key] = {**{n: v for n, v in earlier[key].items() if n not in new[key]}, **new[key]}
+        out[key] = {**earlier[key], **new[key]}
     return out
 
 

@@ -82,7 +82,37 @@ def _tune_result() -> dict:
         "epochs": 4, "seed": 100, "tie": TIE, "scores": scores,
         "winners": {n: choose([(r["point"], r["dice"]) for r in rs]) for n, rs in scores.items()},
         "setting": {"k": 10.3}, "load_start": [0.1], "load_end": [0.2], "wall_s": 600.0,
+        "grid": {n: grid_points(n) for n in scores}, "started": 1796400000.0,
     }  # fmt: skip
+
+
+def test_a_later_run_adds_its_configs_to_an_earlier_one_of_the_same_rule() -> None:
+    earlier = _tune_result()
+    later = _tune_result()
+    later["scores"] = {"diloco": [{"point": {"lr": 0.003, "inner_steps": 500}, "dice": 0.7, "job_s": 90.0}]}
+    later.update(
+        winners={"diloco": {"lr": 0.003, "inner_steps": 500}}, grid={"diloco": grid_points("diloco")}
+    )
+    later.update(setting={"k": 9.1}, started=earlier["started"] + 86400)
+    merged = real_sites_tune.add_to(earlier, later)
+    assert merged["winners"] == {"bsp-hier": {"lr": 0.003}, "diloco": {"lr": 0.003, "inner_steps": 500}}
+    assert merged["scores"]["bsp-hier"] is earlier["scores"]["bsp-hier"]
+    assert [r["configs"] for r in merged["invocations"]] == [["bsp-hier"], ["diloco"]]
+    intro = real_sites_tune.intro(merged)
+    assert (
+        "bsp-hier: tuned 2026-12-04 at k = 10.3" in intro and "diloco: tuned 2026-12-05 at k = 9.1" in intro
+    )
+    # a config tuned again replaces its earlier grid, and the runs stay listed
+    retuned = {"bsp-hier": [{"point": {"lr": 0.001}, "dice": 0.9, "job_s": 50.0}]}
+    again = real_sites_tune.add_to(
+        merged, {**earlier, "scores": retuned, "winners": {"bsp-hier": {"lr": 0.001}}}
+    )
+    assert again["scores"]["bsp-hier"] is retuned["bsp-hier"] and len(again["invocations"]) == 3
+    assert again["winners"] == {"bsp-hier": {"lr": 0.001}, "diloco": {"lr": 0.003, "inner_steps": 500}}
+    with pytest.raises(ConfigError, match="epochs, seed, tie"):
+        real_sites_tune.add_to({**earlier, "epochs": 3}, later)
+    with pytest.raises(ConfigError, match="no grid"):
+        real_sites_tune.check_same_rule({k: v for k, v in earlier.items() if k != "winners"}, 4)
 
 
 def test_the_report_marks_the_winner_and_fails_when_a_point_failed(tmp_path: Path) -> None:
@@ -125,4 +155,18 @@ def test_a_bad_tuned_file_is_refused_before_anything_runs(tmp_path: Path) -> Non
         [sys.executable, "-m", "medseg", *args], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2 and "--tuned: winner of 'gssp'" in proc.stderr
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_an_earlier_file_of_another_rule_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    earlier = tmp_path / "t.json"
+    earlier.write_text(json.dumps({**_tune_result(), "epochs": 3}))
+    args = ["bench", "real-sites-tune", "--data", str(tmp_path / "none"), "--json", str(tmp_path / "o.json")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "medseg", *args, "--add-to", str(earlier)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "--add-to: the earlier file's rule [3, 100" in proc.stderr
     assert not (tmp_path / "o.json").exists()
