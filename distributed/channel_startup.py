@@ -24,6 +24,7 @@ from medseg.distributed.background import InBackground
 from medseg.distributed.comm import rendezvous_kv
 from medseg.distributed.comm.channel import Channel
 from medseg.distributed.comm.store_address import use_job_interface
+from medseg.distributed.launch import rank_hosts
 from medseg.errors import RunError
 
 Started = tuple[Channel, list[str], dict[str, float]]  # channel, every rank's host, start-up phases (s)
@@ -39,9 +40,12 @@ def own_host() -> str:
 
 
 def _with_hosts(channel: Channel) -> Started:
-    """``channel``, every rank's host (one small all-gather) and the seconds each step took."""
+    """``channel``, every rank's host and the seconds each step took: the hosts as medseg's launcher
+    placed the ranks (:mod:`~medseg.distributed.launch.rank_hosts`), else one small all-gather."""
     tic = time.perf_counter()
-    hosts = channel.gather_json(own_host(), "hostname")
+    hosts = rank_hosts.from_env(channel.rank, channel.size, own_host())
+    if hosts is None:
+        hosts = channel.gather_json(own_host(), "hostname")
     return channel, hosts, {**channel.startup, "hostnames": round(time.perf_counter() - tic, 3)}
 
 

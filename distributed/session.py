@@ -96,6 +96,7 @@ class HorovodSession(LocalSession):
         self.site = self.rank_sites[self.rank] if cfg.sites else None
         self.channel.name_ranks([f"site {s}" if cfg.sites else f"host {s}" for s in self.rank_sites])
         self.site_cases: dict[str, int] = {}
+        self._facts: dict[str, Any] | None = None  # this site's dataset facts, to agree on when profiling
         if cfg.sites:
             log_ = audit.current()
             assert log_ is not None
@@ -130,45 +131,34 @@ class HorovodSession(LocalSession):
 
     # -- sites ----------------------------------------------------------------------------------
     def _sites(self, cfg: Config) -> list[str]:
-        """Every rank's site: the config's site whose name or host the rank was started on."""
-        from medseg.distributed.site_data import site_of
+        """Every rank's site (:func:`~medseg.distributed.site_data.rank_sites`), or its host without sites."""
+        from medseg.distributed.site_data import rank_sites
 
-        if not cfg.sites:
-            return list(self.hosts)
-        found = [site_of(cfg, h) for h in self.hosts]
-        if None in found:
-            host = self.hosts[found.index(None)]
-            raise ConfigError(
-                f"--hosts: rank {found.index(None)} runs on {host!r}, which is none of the config's sites "
-                f"({', '.join(f'{n} (host {sc.host or n})' for n, sc in cfg.sites.items())})"
-            )
-        return [str(s) for s in found]
+        return rank_sites(cfg, self.hosts) if cfg.sites else list(self.hosts)
 
     def data_dir(self, cfg: Config) -> str:
         return cfg.sites[self.site].dir if self.site is not None else cfg.data.dir
 
     def check_sites(self, facts: dict[str, Any]) -> None:
-        """Compare the sites' dataset header facts over the channel; a mismatch stops every rank."""
-        from medseg.distributed.site_data import compare_facts
+        """Compare the sites' dataset header facts over the channel; a mismatch stops every rank.
 
+        Where the ranks will profile their speed (:meth:`_profiles`), the facts travel as the
+        profiling's barrier instead (:meth:`_profile`): one WAN collective fewer at start-up, and
+        still compared before any step is timed or trained."""
         if self.site is None:
             return
+        if self._profiles():
+            self._facts = facts
+            return
         tic = time.perf_counter()
-        everyone = self.channel.gather_json(facts, "dataset-header", kind="dataset-header")
+        self._agree_facts(facts)
         self._startup_phase("dataset_agreed", tic)
-        by_site: dict[str, dict[str, Any]] = {}
-        for r, f in enumerate(everyone):
-            by_site.setdefault(self.rank_sites[r], f)
-        compare_facts(by_site)
-        self.site_cases = {s: int(f["train_cases"]) for s, f in by_site.items()}
-        if self.is_chief:
-            log.info(
-                "sites %s: training cases %s, held-out cases %s; datasets agree on %s",
-                list(by_site),
-                self.site_cases,
-                {s: f["val_cases"] for s, f in by_site.items()},
-                {k: facts[k] for k in ("task", "labels", "channels")},
-            )
+
+    def _agree_facts(self, facts: dict[str, Any]) -> None:
+        from medseg.distributed.site_data import agreed_site_cases
+
+        everyone = self.channel.gather_json(facts, "dataset-header", kind="dataset-header")
+        self.site_cases = agreed_site_cases(everyone, self.rank_sites, self.is_chief)
 
     def gather_site_metrics(self, metrics: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
         """Every site leader's validation numbers (scalars only), on rank 0; every rank calls this."""
@@ -197,7 +187,7 @@ class HorovodSession(LocalSession):
         d = self.dist
         self.phase("profile")
         tic = time.perf_counter()
-        profiles = d.sync in ("gssp", "ssp") and not d.periods
+        profiles = self._profiles()
         early = self._groups_without_speeds() if profiles else None
         connecting = None
         if early is not None:
@@ -249,11 +239,21 @@ class HorovodSession(LocalSession):
         timed = d.sync in ("gssp", "ssp") and d.hide_wan and not d.periods and len(self.groups) > 1
         return model if timed else None
 
+    def _profiles(self) -> bool:
+        """Whether :meth:`prepare` measures every rank's speed (gssp/ssp with rounds not fixed)."""
+        return self.dist.sync in ("gssp", "ssp") and not self.dist.periods
+
     def _profile(self, profile_step: Callable[[], int], tic: float) -> float:
-        """Every rank's samples/s into ``self.speeds``: all ranks timed at once, after a barrier,
-        under the same load as training itself; the median of several steps resists one-off stalls."""
-        self.channel.barrier()
-        tic = self._startup_phase("profile_barrier", tic)
+        """Every rank's samples/s into ``self.speeds``: all ranks timed at once, after a barrier
+        (the sites' dataset check where :meth:`check_sites` left one), under the same load as
+        training itself; the median of several steps resists one-off stalls."""
+        if self._facts is not None:
+            facts, self._facts = self._facts, None
+            self._agree_facts(facts)
+            tic = self._startup_phase("dataset_agreed", tic)
+        else:
+            self.channel.barrier()
+            tic = self._startup_phase("profile_barrier", tic)
         mine = self._time_steps(profile_step, self.dist.profile_steps)
         tic = self._startup_phase("profile_steps", tic)
         self.speeds = check_speeds(

@@ -10,7 +10,8 @@ the site's leader (its lowest rank), its own held-out cases.
 Before anything trains, the sites compare header-level facts of their datasets over the job's own
 channel (:func:`dataset_facts`: task, label names, modalities, image channels, case counts; no
 voxel, no file name) and every rank stops with the same :class:`~medseg.errors.DataError` naming the
-site and what differs when they do not match (:func:`compare_facts`).
+site and what differs when they do not match (:func:`compare_facts`). Where the ranks profile their
+speed (gssp, ssp), the facts travel as the profiling's barrier, still before any step.
 
 Epochs and rounds with unequal sites (docs/design.md, "Sites of unequal size"). Site s holds n_s
 training cases, split evenly among its k_s ranks (n_r = n_s / k_s, each rank keeps its own cases for
@@ -29,6 +30,7 @@ speed sees its cases more often in an epoch, never another site's.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -37,6 +39,8 @@ import numpy as np
 from medseg.config import Config
 from medseg.datasets.decathlon import DatasetInfo
 from medseg.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
 
 FACT_KEYS = ("task", "labels", "modality", "channels")
 
@@ -47,6 +51,38 @@ def site_of(cfg: Config, host: str) -> str | None:
         if host in (name, sc.host):
             return name
     return None
+
+
+def rank_sites(cfg: Config, hosts: list[str]) -> list[str]:
+    """Every rank's site: the config's site whose name or host the rank was started on."""
+    found = [site_of(cfg, h) for h in hosts]
+    if None in found:
+        host = hosts[found.index(None)]
+        raise ConfigError(
+            f"--hosts: rank {found.index(None)} runs on {host!r}, which is none of the config's sites "
+            f"({', '.join(f'{n} (host {sc.host or n})' for n, sc in cfg.sites.items())})"
+        )
+    return [str(s) for s in found]
+
+
+def agreed_site_cases(everyone: list[dict[str, Any]], sites: list[str], chief: bool) -> dict[str, int]:
+    """Every site's training-case count once the facts every rank sent (``everyone``, in rank order;
+    ``sites[r]`` is rank r's site) agree (:func:`compare_facts`); the chief logs what they agree on."""
+    by_site: dict[str, dict[str, Any]] = {}
+    for r, f in enumerate(everyone):
+        by_site.setdefault(sites[r], f)
+    compare_facts(by_site)
+    cases = {s: int(f["train_cases"]) for s, f in by_site.items()}
+    if chief:
+        first = everyone[0]
+        log.info(
+            "sites %s: training cases %s, held-out cases %s; datasets agree on %s",
+            list(by_site),
+            cases,
+            {s: f["val_cases"] for s, f in by_site.items()},
+            {k: first[k] for k in ("task", "labels", "channels")},
+        )
+    return cases
 
 
 def horovodrun_hosts(cfg: Config, hosts: str) -> tuple[str, list[str]]:

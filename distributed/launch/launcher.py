@@ -45,6 +45,7 @@ from typing import NoReturn
 
 from medseg.config import Config
 from medseg.distributed.comm import auth
+from medseg.distributed.launch import rank_hosts
 from medseg.distributed.launch.heartbeat import BEAT_ADDR_ENV, BeatServer, RankState, Watchdog, describe
 from medseg.errors import ConfigError, RunError
 
@@ -321,6 +322,7 @@ def _attempt(
             "machine's address that the ranks reach it on"
         ) from None
     env = _rank_env(beat_host, beats.port, timeout, beats.secret)
+    env[rank_hosts.RANK_HOSTS_ENV] = ",".join(rank_hosts.placement(hosts_arg, np_))
     log.info("launching %d ranks: %s", np_, " ".join(cmd))
     proc = subprocess.Popen(
         cmd,
