@@ -96,7 +96,6 @@ class HorovodSession(LocalSession):
         self.site = self.rank_sites[self.rank] if cfg.sites else None
         self.channel.name_ranks([f"site {s}" if cfg.sites else f"host {s}" for s in self.rank_sites])
         self.site_cases: dict[str, int] = {}
-        self._facts: dict[str, Any] | None = None  # this site's dataset facts, to agree on when profiling
         if cfg.sites:
             log_ = audit.current()
             assert log_ is not None
@@ -142,22 +141,17 @@ class HorovodSession(LocalSession):
     def check_sites(self, facts: dict[str, Any]) -> None:
         """Compare the sites' dataset header facts over the channel; a mismatch stops every rank.
 
-        Where the ranks will profile their speed (:meth:`_profiles`), the facts travel as the
-        profiling's barrier instead (:meth:`_profile`): one WAN collective fewer at start-up, and
-        still compared before any step is timed or trained."""
-        if self.site is None:
-            return
-        if self._profiles():
-            self._facts = facts
-            return
-        tic = time.perf_counter()
-        self._agree_facts(facts)
-        self._startup_phase("dataset_agreed", tic)
-
-    def _agree_facts(self, facts: dict[str, Any]) -> None:
+        Not merged into profiling's barrier (one WAN collective fewer): the sites' ranks then left
+        it at other moments, so a site's two ranks sharing one CPU quota were timed together
+        instead of one after the other, which changed the rounds and the time to Dice (measured in
+        docs/benchmarks.md, "Profiling a site's ranks together")."""
         from medseg.distributed.site_data import agreed_site_cases
 
+        if self.site is None:
+            return
+        tic = time.perf_counter()
         everyone = self.channel.gather_json(facts, "dataset-header", kind="dataset-header")
+        self._startup_phase("dataset_agreed", tic)
         self.site_cases = agreed_site_cases(everyone, self.rank_sites, self.is_chief)
 
     def gather_site_metrics(self, metrics: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
@@ -187,7 +181,7 @@ class HorovodSession(LocalSession):
         d = self.dist
         self.phase("profile")
         tic = time.perf_counter()
-        profiles = self._profiles()
+        profiles = d.sync in ("gssp", "ssp") and not d.periods
         early = self._groups_without_speeds() if profiles else None
         connecting = None
         if early is not None:
@@ -239,21 +233,11 @@ class HorovodSession(LocalSession):
         timed = d.sync in ("gssp", "ssp") and d.hide_wan and not d.periods and len(self.groups) > 1
         return model if timed else None
 
-    def _profiles(self) -> bool:
-        """Whether :meth:`prepare` measures every rank's speed (gssp/ssp with rounds not fixed)."""
-        return self.dist.sync in ("gssp", "ssp") and not self.dist.periods
-
     def _profile(self, profile_step: Callable[[], int], tic: float) -> float:
-        """Every rank's samples/s into ``self.speeds``: all ranks timed at once, after a barrier
-        (the sites' dataset check where :meth:`check_sites` left one), under the same load as
-        training itself; the median of several steps resists one-off stalls."""
-        if self._facts is not None:
-            facts, self._facts = self._facts, None
-            self._agree_facts(facts)
-            tic = self._startup_phase("dataset_agreed", tic)
-        else:
-            self.channel.barrier()
-            tic = self._startup_phase("profile_barrier", tic)
+        """Every rank's samples/s into ``self.speeds``: all ranks timed at once, after a barrier,
+        under the same load as training itself; the median of several steps resists one-off stalls."""
+        self.channel.barrier()
+        tic = self._startup_phase("profile_barrier", tic)
         mine = self._time_steps(profile_step, self.dist.profile_steps)
         tic = self._startup_phase("profile_steps", tic)
         self.speeds = check_speeds(

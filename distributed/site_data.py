@@ -10,8 +10,7 @@ the site's leader (its lowest rank), its own held-out cases.
 Before anything trains, the sites compare header-level facts of their datasets over the job's own
 channel (:func:`dataset_facts`: task, label names, modalities, image channels, case counts; no
 voxel, no file name) and every rank stops with the same :class:`~medseg.errors.DataError` naming the
-site and what differs when they do not match (:func:`compare_facts`). Where the ranks profile their
-speed (gssp, ssp), the facts travel as the profiling's barrier, still before any step.
+site and what differs when they do not match (:func:`compare_facts`).
 
 Epochs and rounds with unequal sites (docs/design.md, "Sites of unequal size"). Site s holds n_s
 training cases, split evenly among its k_s ranks (n_r = n_s / k_s, each rank keeps its own cases for

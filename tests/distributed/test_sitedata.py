@@ -285,8 +285,7 @@ def test_sites_train_on_their_own_data_send_no_image_bytes_and_report_per_site(t
 
 @pytest.mark.parametrize("sync", ["gssp", "fedavg"])
 def test_a_site_whose_dataset_differs_stops_the_job_before_training(tmp_path: Path, sync: str) -> None:
-    """gssp profiles its ranks, and the sites' facts travel as the profiling's barrier; fedavg does
-    not profile, and they travel on their own: either way the job stops before any step."""
+    """With or without profiling the ranks (gssp does, fedavg does not), the job stops before any step."""
     _, cfg = _two_sites(tmp_path, sync=sync, local_norm=False)
     meta_path = Path(cfg["sites"]["b"]["dir"]) / "dataset.json"
     meta = json.loads(meta_path.read_text())
