@@ -141,10 +141,9 @@ class HorovodSession(LocalSession):
     def check_sites(self, facts: dict[str, Any]) -> None:
         """Compare the sites' dataset header facts over the channel; a mismatch stops every rank.
 
-        Not merged into profiling's barrier (one WAN collective fewer): the sites' ranks then left
-        it at other moments, so a site's two ranks sharing one CPU quota were timed together
-        instead of one after the other, which changed the rounds and the time to Dice (measured in
-        docs/benchmarks.md, "Profiling a site's ranks together")."""
+        A collective of its own, not profiling's barrier: ranks leave a gather at other moments
+        than a barrier, which changes whether a site's ranks sharing one CPU quota are timed
+        together, and with it the rounds (docs/benchmarks.md, "Profiling a site's ranks together")."""
         from medseg.distributed.site_data import agreed_site_cases
 
         if self.site is None:

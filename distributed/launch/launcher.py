@@ -155,11 +155,8 @@ _Entry = tuple[str, str, int]  # a --hosts entry: (label, host for horovodrun, s
 
 
 def _assign(entries: list[_Entry], np_: int) -> list[int]:
-    """Index into ``entries`` of every rank: horovodrun fills the hosts in ``-H`` order, slot by slot."""
-    out: list[int] = []
-    for i, (_, _, slots) in enumerate(entries):
-        out += [i] * min(slots, np_ - len(out))
-    return out
+    """Index into ``entries`` of every rank (:func:`~medseg.distributed.launch.rank_hosts.slot_owners`)."""
+    return rank_hosts.slot_owners([slots for _, _, slots in entries], np_)
 
 
 def _reachable(host: str, port: int = 22, timeout: float = 3.0) -> bool:

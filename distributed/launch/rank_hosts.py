@@ -24,17 +24,24 @@ from medseg.errors import RunError
 RANK_HOSTS_ENV = "MEDSEG_RANK_HOSTS"
 
 
+def slot_owners(slots: list[int], np_: int) -> list[int]:
+    """Index of the ``-H`` entry each of ``np_`` ranks runs on: the entries in order, slot by slot."""
+    out: list[int] = []
+    for i, k in enumerate(slots):
+        out += [i] * min(k, np_ - len(out))
+    return out
+
+
 def placement(hosts_arg: str, np_: int) -> list[str]:
     """Rank r's host for ``horovodrun -np np_ -H hosts_arg`` (``host:slots,...``), in rank order."""
-    hosts: list[str] = []
-    for entry in hosts_arg.split(","):
-        host, _, slots = entry.rpartition(":")
+    entries = [entry.rpartition(":") for entry in hosts_arg.split(",")]
+    for host, sep, slots in entries:
         if not host or not slots.isdigit():
-            raise ValueError(f"rank placement: {entry!r} is not host:slots")
-        hosts += [host] * min(int(slots), np_ - len(hosts))
-    if len(hosts) < np_:
-        raise ValueError(f"rank placement: {hosts_arg!r} has {len(hosts)} slots for {np_} ranks")
-    return hosts
+            raise ValueError(f"rank placement: {host + sep + slots!r} is not host:slots")
+    owners = slot_owners([int(slots) for _, _, slots in entries], np_)
+    if len(owners) < np_:
+        raise ValueError(f"rank placement: {hosts_arg!r} has {len(owners)} slots for {np_} ranks")
+    return [entries[i][0] for i in owners]
 
 
 def from_env(rank: int, size: int, own_host: str) -> list[str] | None:

@@ -78,7 +78,7 @@ def test_gssp_fixed4_trains_like_bsp_and_keeps_the_staleness_bound(dist_data: Pa
     bsp = write_config(tmp_path, dist_data, "bsp", {"sync": "bsp"})
     # rounds of one step each (periods [1, 1]): three rounds per epoch, so rounds are applied inside
     # the epoch and the steps' records carry τ. Measured periods follow the machine's load: [3, 1]
-    # gives one round per epoch, applied only at its end, and no τ in any step (CI failed so once).
+    # gives one round per epoch, applied only at its end, and no τ in any step.
     fixed4 = {"sync": "gssp", "groups": [[0, 1], [2, 3]], "staleness": 1, "compression": "fixed", "bits": 4}
     gssp = write_config(tmp_path, dist_data, "gssp4", {**fixed4, "periods": [1, 1]})
     # the bsp ranks print every module file they execute (Python's verbose mode, on their stderr,
