@@ -35,7 +35,6 @@ from medseg.distributed.comm.checks import (
     check_site_entries,
     check_site_metrics,
     check_speeds,
-    check_tensor,
     refuse_update,
 )
 from medseg.distributed.epoch_numbers import job_numbers, rank_numbers
@@ -379,7 +378,7 @@ class HorovodSession(LocalSession):
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
         from medseg.distributed.sync.bsp import BulkSynchronous
-        from medseg.distributed.sync.common import assign, flat
+        from medseg.distributed.sync.common import one_initial_model
         from medseg.distributed.sync.gssp import GroupStale
         from medseg.distributed.sync.local_sgd import LocalSGD
         from medseg.distributed.sync.outer import OuterNesterov
@@ -391,15 +390,11 @@ class HorovodSession(LocalSession):
             raise ConfigError(
                 "dist.compression: fp16 is Horovod's (bsp only); gssp/ssp rounds take none, fixed (dist.bits) or topk"
             )
-        # One model everywhere: rank 0's parameters and buffers (its checkpoint's on a resume).
-        tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
-        vector = flat(tensors)
-        self.channel.broadcast_tensor(vector)
-        check_tensor(vector, self.channel.describe(0), "initial model", tuple(vector.shape), torch.float32)
-        assign(tensors, vector)
+        if one_initial_model(self.channel, model) and self.is_chief:
+            # Gloo's broadcast sends the root's tensor to every other rank
+            n = sum(t.numel() for t in model.state_dict().values() if t.is_floating_point())
+            self.setup_wan_bytes += n * 4 * sum(h != self.hosts[0] for h in self.hosts)
         self.model = model
-        if self.is_chief:  # Gloo's broadcast sends the root's tensor to every other rank
-            self.setup_wan_bytes += vector.numel() * 4 * sum(h != self.hosts[0] for h in self.hosts)
         sites = site_lists(self.rank_sites)  # one per sites: entry, else per host
         if d.sync in ("bsp", "bsp-hier"):
             self._horovod.ended(None)

@@ -1,7 +1,7 @@
 """Compressed allreduce over a group of workers (DeepSpeed 1-bit Adam's scheme, fixed-bit codes).
 
 The group is a Horovod process set (``process_set=``, bsp) or a ``torch.distributed`` group
-(``transport=`` a :class:`~medseg.distributed.comm.channel.TorchTransport`, gssp's in-site average); the
+(``transport=`` a :class:`~medseg.distributed.comm.transports.TorchTransport`, gssp's in-site average); the
 maths and the byte accounting below are the same on both.
 
 :class:`CompressedAllreduce` averages a dict of float tensors over the ``N`` workers of a process set
@@ -141,7 +141,7 @@ class CompressedAllreduce:
         self.min_numel = min_numel
         self.name = name
         if transport is None:
-            from medseg.distributed.comm.channel import HorovodTransport
+            from medseg.distributed.comm.transports import HorovodTransport
 
             self._hvd = _horovod()
             self.process_set = self._hvd.global_process_set if process_set is None else process_set

@@ -72,7 +72,7 @@ from medseg.errors import ConfigError
 
 
 def _torch_transport(group: Any) -> Any:
-    from medseg.distributed.comm.channel import TorchTransport
+    from medseg.distributed.comm.transports import TorchTransport
 
     return TorchTransport(group)
 

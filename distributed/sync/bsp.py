@@ -9,10 +9,11 @@ from typing import Any
 import torch
 
 from medseg.distributed.comm import audit
-from medseg.distributed.comm.channel import Channel, HorovodTransport
+from medseg.distributed.comm.channel import Channel
 from medseg.distributed.comm.checks import check_tensor
 from medseg.distributed.comm.collectives import CompressedAllreduce, HierarchicalAllreduce
 from medseg.distributed.comm.site_allreduce import HierarchicalCompressedAllreduce
+from medseg.distributed.comm.transports import HorovodTransport
 from medseg.distributed.sync.common import SyncedOptimizer, assign, flat, ring_allreduce_bytes
 
 log = logging.getLogger(__name__)

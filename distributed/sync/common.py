@@ -30,6 +30,8 @@ model whose shared part is everyone's and whose normalisation is its own.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +39,10 @@ from typing import Any
 import torch
 
 from medseg.distributed.comm.channel import Channel
-from medseg.distributed.comm.checks import UpdateGuard, UpdateRefused, check_gradients
+from medseg.distributed.comm.checks import UpdateGuard, UpdateRefused, check_gradients, check_tensor
 from medseg.distributed.comm.collectives import CompressedAllreduce, site_verdict
+
+log = logging.getLogger(__name__)
 
 ring_allreduce_bytes = CompressedAllreduce.ring_allreduce_bytes
 
@@ -214,6 +218,30 @@ def leaders_verdict(
         what,
         channel.describe(channel.leader),
     )
+
+
+def one_initial_model(channel: Channel, model: torch.nn.Module) -> bool:
+    """One model everywhere: rank 0's parameters and buffers (its checkpoint's on a resume);
+    whether rank 0's model had to be broadcast. Every rank calls this.
+
+    Every rank built its model from the same seed (and, on a resume, loaded the same shared
+    state), so the models usually agree already: the ranks compare a 16-byte BLAKE2b digest of
+    their float tensors first, and rank 0's model crosses the WAN only when a digest differs
+    (another torch build, a buffer that profiling changed). Every rank sees every digest, so all
+    take the same branch.
+    """
+    tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
+    vector = flat(tensors)
+    mine = hashlib.blake2b(vector.numpy().tobytes(), digest_size=16).digest()
+    digests = [torch.empty(16, dtype=torch.uint8) for _ in range(channel.size)]
+    channel.world.allgather(digests, torch.frombuffer(bytearray(mine), dtype=torch.uint8))
+    if all(torch.equal(d, digests[0]) for d in digests):
+        return False
+    log.info("rank %d: the ranks' initial models differ; rank 0's is broadcast", channel.rank)
+    channel.broadcast_tensor(vector)
+    check_tensor(vector, channel.describe(0), "initial model", tuple(vector.shape), torch.float32)
+    assign(tensors, vector)
+    return True
 
 
 def average_model(

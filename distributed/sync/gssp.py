@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
-from medseg.distributed.comm.channel import Channel, TorchTransport
+from medseg.distributed.comm.channel import Channel
 from medseg.distributed.comm.checks import UpdateGuard, UpdateRefused, refuse_update
 from medseg.distributed.comm.collectives import CompressedAllreduce
 from medseg.distributed.comm.round_codecs import round_codec
+from medseg.distributed.comm.transports import TorchTransport
 from medseg.distributed.sync.common import (
     ROUND_FLOOR,
     AverageCheck,

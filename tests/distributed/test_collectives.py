@@ -59,3 +59,21 @@ def test_hierarchical_compressed_allreduce_multi_rank(sites: str, reduction: int
     assert not [line for line in output.splitlines() if "FAIL " in line], output[-6000:]
     passed = [line for line in output.splitlines() if "PASS " in line]
     assert len(passed) == 6, output[-6000:]
+
+
+STAR_SCRIPT = Path(__file__).parent / "mp" / "star_and_model.py"
+
+
+@pytest.mark.skipif(_horovod_missing() is not None, reason=str(_horovod_missing()))
+def test_star_allgather_and_initial_model_agreement_multi_rank() -> None:
+    """3 ranks: the small allgather (a star through member 0) equals Gloo's ring allgather; models
+    from one seed agree without a broadcast, models from different seeds become rank 0's."""
+    env = dict(os.environ, MEDSEG_JOB_SECRET=secrets.token_hex(32))
+    env["PATH"] = f"{HOROVODRUN.parent}{os.pathsep}{env.get('PATH', '')}"
+    cmd = [str(HOROVODRUN), "-np", "3", "-H", "localhost:3", "--gloo", "python", str(STAR_SCRIPT)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert not [line for line in output.splitlines() if "FAIL " in line], output[-6000:]
+    passed = [line for line in output.splitlines() if "PASS " in line]
+    assert len(passed) == 5, output[-6000:]
