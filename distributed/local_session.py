@@ -50,9 +50,11 @@ class LocalSession:
     def check_sites(self, facts: dict[str, Any]) -> None:
         """One process holds one dataset: nothing to compare."""
 
-    def gather_site_metrics(self, metrics: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
-        """Each site's validation numbers on rank 0 (None: not a site-local job)."""
-        return None
+    def finish_epoch(
+        self, metrics: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], dict[str, dict[str, Any]] | None]:
+        """No other rank's numbers and no sites' scores in one process."""
+        return {}, None
 
     def gather_site_local(self, optimizer: Any) -> dict[str, Any] | None:
         """Each site's own normalisation tensors on rank 0 (None: no ``dist.local_norm`` sites)."""

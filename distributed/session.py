@@ -118,6 +118,7 @@ class HorovodSession(LocalSession):
         self.optimizer: Any = None
         self.epoch_tic = time.perf_counter()
         self.epoch_samples = 0
+        self._numbers: dict[str, Any] = {}  # this rank's numbers of the epoch (end_epoch)
         self._step_tic = 0.0
         self._step_compute = 0.0
 
@@ -151,17 +152,6 @@ class HorovodSession(LocalSession):
         everyone = self.channel.gather_json(facts, "dataset-header", kind="dataset-header")
         self._startup_phase("dataset_agreed", tic)
         self.site_cases = agreed_site_cases(everyone, self.rank_sites, self.is_chief)
-
-    def gather_site_metrics(self, metrics: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
-        """Every site leader's validation numbers (scalars only), on rank 0; every rank calls this."""
-        if self.site is None:
-            return None
-        mine = (self.site, metrics) if self.validates else None
-        everyone = self.channel.gather_json(mine, "site-metrics", kind="metrics")
-        check_site_entries(everyone, self.rank_sites, self.channel.describe, "validation scores")
-        for entry in filter(None, everyone):
-            check_site_metrics(entry[0], entry[1])
-        return {s: m for s, m in filter(None, everyone)} if self.is_chief else None
 
     # -- groups ---------------------------------------------------------------------------------
     def prepare(self, profile_step: Callable[[], int], model: torch.nn.Module | None = None) -> None:
@@ -535,18 +525,46 @@ class HorovodSession(LocalSession):
         return stop
 
     def end_epoch(self, optimizer: Any) -> dict[str, Any]:
-        """Finish the epoch's synchronisation and gather its numbers (every rank calls this)."""
+        """Finish the epoch's synchronisation and note this rank's numbers (every rank calls this);
+        they travel with the validation scores, in :meth:`finish_epoch`."""
         optimizer.end_epoch()
         self.check_diverged(optimizer, self.channel.describe(self.rank))
         stats = optimizer.stats
         wall = time.perf_counter() - self.epoch_tic
-        mine = rank_numbers(
+        self._numbers = rank_numbers(
             stats, self.epoch_samples, self.setup_wan_bytes, wall, self.emulation.slept_s, self.compute_s
         )
-        everyone = self.channel.gather_json(mine, "rank-numbers", kind="metrics")
         stats.reset()
         self.setup_wan_bytes = 0  # set-up transfers are counted once, with the first epoch
-        return job_numbers(everyone, self.groups, self.periods, self.wan_factor, self.exchange_s)
+        return {}
+
+    def finish_epoch(
+        self, metrics: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], dict[str, dict[str, Any]] | None]:
+        """The job's epoch numbers and, on rank 0, each site's validation scores by site.
+
+        Every rank calls this after validation, with ``metrics`` its site's scores when validation
+        was due at sites (``{}`` on a rank that does not validate) and None otherwise. Each rank's
+        numbers and its site's scores travel in one message (``epoch-end``): between sites every
+        collective costs WAN round trips, and this is the epoch's only one besides the rounds and
+        :meth:`start_epoch`. The scores are None elsewhere, and without sites or validation.
+        """
+        site = (
+            (self.site, metrics) if metrics is not None and self.site is not None and self.validates else None
+        )
+        everyone = self.channel.gather_json(
+            {"numbers": self._numbers, "site": site}, "epoch-end", kind="metrics"
+        )
+        numbers = job_numbers(
+            [e["numbers"] for e in everyone], self.groups, self.periods, self.wan_factor, self.exchange_s
+        )
+        if metrics is None or self.site is None:
+            return numbers, None
+        entries = [e["site"] for e in everyone]
+        check_site_entries(entries, self.rank_sites, self.channel.describe, "validation scores")
+        for entry in filter(None, entries):
+            check_site_metrics(entry[0], entry[1])
+        return numbers, ({s: m for s, m in filter(None, entries)} if self.is_chief else None)
 
     def close(self) -> None:
         self.beats.set_phase("done")  # the watchdog stops expecting beats from this rank

@@ -232,6 +232,25 @@ COUNT = Int(0, 1 << 50)
 SECONDS = Num(0.0, 1e9)
 SCORE = Either(Num(), Null())
 
+# a site leader's validation scores (None on ranks that do not validate, or when none was due)
+SITE_METRICS = Either(Null(), Fixed(NAME, MapOf(SCORE, max_len=4096, key_len=256)))
+# medseg.distributed.epoch_numbers.rank_numbers
+RANK_NUMBERS = Record(
+    {
+        "samples": COUNT,
+        "steps": COUNT,
+        "bytes": COUNT,
+        "wan_bytes": COUNT,
+        "site_s": SECONDS,
+        "wan_wait_s": SECONDS,
+        "max_staleness": COUNT,
+        "wall_s": SECONDS,
+        "slept_s": SECONDS,
+        "compute_s": SECONDS,
+        "peak_rss_mb": Num(0.0, 1e12),
+    }
+)
+
 SCHEMAS: dict[str, Spec] = {
     # a rank's host as horovodrun started it (HOROVOD_HOSTNAME)
     "hostname": NAME,
@@ -252,24 +271,8 @@ SCHEMAS: dict[str, Spec] = {
     "groups": ListOf(ListOf(Int(0, 1 << 20), max_len=1 << 20, min_len=1), max_len=1 << 20, min_len=1),
     # seconds of a timed exchange
     "seconds": SECONDS,
-    # a site leader's validation scores (None on ranks that do not validate); see session
-    "site-metrics": Either(Null(), Fixed(NAME, MapOf(SCORE, max_len=4096, key_len=256))),
-    # medseg.distributed.epoch_numbers.rank_numbers
-    "rank-numbers": Record(
-        {
-            "samples": COUNT,
-            "steps": COUNT,
-            "bytes": COUNT,
-            "wan_bytes": COUNT,
-            "site_s": SECONDS,
-            "wan_wait_s": SECONDS,
-            "max_staleness": COUNT,
-            "wall_s": SECONDS,
-            "slept_s": SECONDS,
-            "compute_s": SECONDS,
-            "peak_rss_mb": Num(0.0, 1e12),
-        }
-    ),
+    # a rank's epoch numbers and, when validation was due at sites, its site's scores (see session)
+    "epoch-end": Record({"numbers": RANK_NUMBERS, "site": SITE_METRICS}),
     # where rank 0's channel store listens (sent once over Horovod, with a MAC)
     "channel-address": Record({"host": NAME, "port": Int(1, 65535)}),
 }

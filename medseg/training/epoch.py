@@ -62,13 +62,15 @@ def train_steps(run: Run, epoch: int) -> dict[str, Any]:
     }
 
 
-def validate(run: Run, epoch: int) -> dict[str, Any]:
-    """The epoch's validation scores when validation is due (every ``train.val_interval`` and the last epoch).
+def validate(run: Run, epoch: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The epoch's job numbers and its validation scores (scores when validation is due: every
+    ``train.val_interval`` and the last epoch).
 
     Ranks that validate score their validation cases. With sites, each site's leader scored its own
-    held-out cases; only the scores travel, to rank 0, which pools them (each metric's mean over sites
-    weighted by their validation cases) and keeps each site's own under ``sites``. Empty when nothing
-    was scored here.
+    held-out cases; only the scores travel, to rank 0, with every rank's epoch numbers
+    (:meth:`~medseg.distributed.session.HorovodSession.finish_epoch`), and rank 0 pools them (each
+    metric's mean over sites weighted by their validation cases) and keeps each site's own under
+    ``sites``. Scores are empty when nothing was scored here.
     """
     cfg, session, data = run.cfg, run.session, run.data
     due = epoch % cfg.train.val_interval == 0 or epoch == cfg.train.epochs
@@ -77,11 +79,11 @@ def validate(run: Run, epoch: int) -> dict[str, Any]:
         session.phase("validate")
         run.model.eval()
         scores = run.task.validate(run.model, data.val_loader, run.device)
-    if cfg.sites and due:
-        session.phase("wait")
-        per_site = session.gather_site_metrics({**scores, "val_cases": len(data.val_items)})
-        if per_site is not None:
-            from medseg.distributed.site_data import pool_metrics
+    session.phase("wait")
+    site_scores = {**scores, "val_cases": len(data.val_items)} if cfg.sites and due else None
+    numbers, per_site = session.finish_epoch(site_scores)
+    if per_site is not None:
+        from medseg.distributed.site_data import pool_metrics
 
-            scores = {**pool_metrics(per_site), "sites": per_site}
-    return scores
+        scores = {**pool_metrics(per_site), "sites": per_site}
+    return numbers, scores

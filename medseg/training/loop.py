@@ -126,9 +126,10 @@ def _run_epochs(run: Run, history: History, stop: int) -> int:
             run.optimizer
         )  # local_norm: each site's own norm tensors, on rank 0
         val_tic = time.perf_counter()
-        scores = validate(run, epoch)
+        numbers, scores = validate(run, epoch)
         if not session.is_chief:
             continue  # rank 0 alone writes; the others wait for it at the next epoch
+        record.update(numbers)
         record.update(scores)
         if scores:
             record["val_s"] = round(time.perf_counter() - val_tic, 3)

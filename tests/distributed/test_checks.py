@@ -338,6 +338,21 @@ def test_local_session_refuses_a_diverged_epoch_before_its_checkpoint() -> None:
     check_trained([("x", torch.ones(2)), ("n", torch.tensor([1, 2]))])
 
 
+NUMBERS = {
+    "samples": 8,
+    "steps": 4,
+    "bytes": 0,
+    "wan_bytes": 0,
+    "site_s": 0.0,
+    "wan_wait_s": 0.0,
+    "max_staleness": 0,
+    "wall_s": 2.0,
+    "slept_s": 0.0,
+    "compute_s": 1.0,
+    "peak_rss_mb": 100.0,
+}
+
+
 def test_site_metrics_from_a_site_that_speaks_for_another_or_weighs_zero_are_refused() -> None:
     """Rank 0 pools the sites' scores: rank 1 claiming site a's name, or val_cases 0, stops the job."""
 
@@ -353,13 +368,17 @@ def test_site_metrics_from_a_site_that_speaks_for_another_or_weighs_zero_are_ref
 
     session = HorovodSession.__new__(HorovodSession)
     session.site, session.validates, session.is_chief, session.rank_sites = "a", True, True, ["a", "b"]
-    a = ["a", {"val_dice": 0.8, "val_cases": 2}]
-    session.channel = _Gather([a, ["b", {"val_dice": 0.7, "val_cases": 3}]])
-    assert session.gather_site_metrics({})["b"]["val_cases"] == 3
-    session.channel = _Gather([a, ["a", {"val_dice": 1.0, "val_cases": 10**6}]])
+    session.groups, session.periods, session.wan_factor, session.exchange_s = [[0], [1]], [1, 1], 1, None
+    session._numbers = NUMBERS
+    a = {"numbers": NUMBERS, "site": ["a", {"val_dice": 0.8, "val_cases": 2}]}
+    session.channel = _Gather([a, {"numbers": NUMBERS, "site": ["b", {"val_dice": 0.7, "val_cases": 3}]}])
+    numbers, per_site = session.finish_epoch({})
+    assert per_site["b"]["val_cases"] == 3 and numbers["dist_samples_per_s"] > 0
+    assert session.finish_epoch(None)[1] is None  # validation not due: numbers only
+    session.channel = _Gather([a, {"numbers": NUMBERS, "site": ["a", {"val_dice": 1.0, "val_cases": 10**6}]}])
     with pytest.raises(RunError, match=r"rank 1 \(site b\): its validation scores.*claim to be site 'a'"):
-        session.gather_site_metrics({})
-    session.channel = _Gather([a, ["b", {"val_dice": 0.7, "val_cases": 0}]])
+        session.finish_epoch({})
+    session.channel = _Gather([a, {"numbers": NUMBERS, "site": ["b", {"val_dice": 0.7, "val_cases": 0}]}])
     with pytest.raises(RunError, match="val_cases 0 must be a positive integer"):
-        session.gather_site_metrics({})
+        session.finish_epoch({})
     assert math.isfinite(K_NORM)

@@ -50,14 +50,26 @@ def test_no_pickle_in_the_engine() -> None:
             assert word not in text, f"{path}: {word}"
 
 
+NUMBERS = {
+    "samples": 8,
+    "steps": 4,
+    "bytes": 0,
+    "wan_bytes": 0,
+    "site_s": 0.0,
+    "wan_wait_s": 0.0,
+    "max_staleness": 0,
+    "wall_s": 2.0,
+    "slept_s": 0.0,
+    "compute_s": 1.0,
+    "peak_rss_mb": 100.0,
+}
+
+
 def test_declared_values_round_trip() -> None:
     assert wire.decode_json(wire.encode_json(FACTS), "dataset-header", "rank 1") == FACTS
-    assert wire.decode_json(
-        _json(["a", {"val_dice": 0.8, "val_cases": 3, "val_hd95": None}]), "site-metrics", "r"
-    ) == [
-        "a",
-        {"val_dice": 0.8, "val_cases": 3, "val_hd95": None},
-    ]
+    end = {"numbers": NUMBERS, "site": ["a", {"val_dice": 0.8, "val_cases": 3, "val_hd95": None}]}
+    assert wire.decode_json(_json(end), "epoch-end", "r") == end
+    assert wire.decode_json(_json({"numbers": NUMBERS, "site": None}), "epoch-end", "r")["site"] is None
     assert wire.decode_json(b"12.5", "speed", "r") == 12.5
 
 
@@ -74,13 +86,19 @@ def test_declared_values_round_trip() -> None:
         ("speed", b"1e999", "not finite"),  # JSON has no overflow error: this parses to inf
         ("speed", b"0", "out of range"),
         ("speed", b"-3.5", "out of range"),
-        ("site-metrics", _json(["a", {"val_dice": "0.9"}]), "matches none"),
-        ("site-metrics", b'["a", {"val_dice": 0.5, "val_dice": 0.9}]', "duplicate key"),
+        ("epoch-end", _json({"numbers": NUMBERS, "site": ["a", {"val_dice": "0.9"}]}), "matches none"),
+        (
+            "epoch-end",
+            _json({"numbers": {**NUMBERS, "wall_s": -1.0}, "site": None}),
+            "numbers.wall_s: -1.0 is out of range",
+        ),
+        ("epoch-end", _json({"numbers": NUMBERS}), "missing key"),
+        ("epoch-end", b'{"numbers": {}, "site": ["a", {"val_dice": 0.5, "val_dice": 0.9}]}', "duplicate key"),
         ("hostname", _json("h" * 300), "at most 255"),
         ("groups", _json([[0, 1], [2, "3"]]), "expected an integer"),
         ("groups", b"[" * 40 + b"]" * 40, "nested deeper"),
-        ("rank-numbers", b"\x80\x81 not utf-8", "not valid JSON"),
-        ("rank-numbers", b"{not json", "not valid JSON"),
+        ("epoch-end", b"\x80\x81 not utf-8", "not valid JSON"),
+        ("epoch-end", b"{not json", "not valid JSON"),
         ("channel-address", _json({"host": "h", "port": 70000}), "outside"),
     ],
 )
