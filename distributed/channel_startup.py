@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from medseg.distributed.background import InBackground
@@ -28,6 +29,7 @@ from medseg.distributed.launch import rank_hosts
 from medseg.errors import RunError
 
 Started = tuple[Channel, list[str], dict[str, float]]  # channel, every rank's host, start-up phases (s)
+EarlyGroups = Callable[[list[str]], "list[list[int]] | None"]  # every rank's host -> sync groups
 # syncs that call Horovod during training (plain bsp's collectives; bsp-hier asks it for rank and
 # size): their ranks wait for ``hvd.init()`` before training, the others only at the job's end. A
 # sync added later that calls Horovod belongs here (the session also waits before BulkSynchronous).
@@ -49,18 +51,32 @@ def _with_hosts(channel: Channel) -> Started:
     return channel, hosts, {**channel.startup, "hostnames": round(time.perf_counter() - tic, 3)}
 
 
-def _open_and_gather(server: tuple[str, int], timeout_s: float, secret: bytes) -> Started:
-    return _with_hosts(Channel.before_horovod(server, timeout_s, secret))
+def no_early_groups(hosts: list[str]) -> None:
+    """No sync groups named at launch: they connect when the session sets them."""
+    return None
 
 
-def start_beside_horovod(timeout_s: float, secret: bytes) -> InBackground | None:
+def _open_and_gather(
+    server: tuple[str, int], timeout_s: float, secret: bytes, early_groups: EarlyGroups
+) -> Started:
+    rank, size = int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])
+    hosts = rank_hosts.from_env(rank, size, own_host())
+    early = early_groups(hosts) if hosts is not None else None
+    return _with_hosts(Channel.before_horovod(server, timeout_s, secret, early))
+
+
+def start_beside_horovod(
+    timeout_s: float, secret: bytes, early_groups: EarlyGroups = no_early_groups
+) -> InBackground | None:
     """Start building the channel and gathering host names on a thread, before ``hvd.init()``;
-    ``None`` where this rank was not started by ``horovodrun --gloo`` (no rendezvous server)."""
+    ``None`` where this rank was not started by ``horovodrun --gloo`` (no rendezvous server).
+    ``early_groups`` names the sync groups from every rank's host where it can (the launcher's
+    placement): they connect beside the world group."""
     server = rendezvous_kv.server_from_env()
     if server is None or "HOROVOD_RANK" not in os.environ or "HOROVOD_SIZE" not in os.environ:
         return None
     use_job_interface()  # on this thread: Horovod's own threads read the environment
-    return InBackground(_open_and_gather, server, timeout_s, secret)
+    return InBackground(_open_and_gather, server, timeout_s, secret, early_groups)
 
 
 def init_horovod(hvd: Any, opening: InBackground | None) -> None:
@@ -133,7 +149,12 @@ class HorovodInit:
 
 
 def start_rank(
-    hvd: Any, sync: str, timeout_s: float, secret: bytes, startup: dict[str, float]
+    hvd: Any,
+    sync: str,
+    timeout_s: float,
+    secret: bytes,
+    startup: dict[str, float],
+    early_groups: EarlyGroups = no_early_groups,
 ) -> tuple[Started, HorovodInit]:
     """A rank's channel, hosts and start-up phases, and ``hvd.init()`` where it still runs.
 
@@ -141,12 +162,13 @@ def start_rank(
     needs no Horovod until the end (not :data:`HOROVOD_SYNCS`) goes on once the channel is up and
     gets the init back to wait for (:func:`init_beside`), else it waits for both here. Otherwise
     the channel is built after ``hvd.init()``. ``startup`` receives ``horovod_init`` and
-    ``channel_wait`` (what remained of the channel's phases after the init)."""
+    ``channel_wait`` (what remained of the channel's phases after the init). ``early_groups``: see
+    :func:`start_beside_horovod`."""
     # pytorch-ignite sets HOROVOD_DYNAMIC_PROCESS_SETS=1 when imported (MONAI imports it, e.g. in a
     # benchmark that launches the ranks, whose environment they inherit); with it Horovod adds a
     # collective over every rank, across the WAN, to each cycle. medseg adds no process set later.
     os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "0"
-    opening = start_beside_horovod(timeout_s, secret)
+    opening = start_beside_horovod(timeout_s, secret, early_groups)
     if opening is not None and sync not in HOROVOD_SYNCS:
         pending = init_beside(hvd, opening, startup)
         channel, hosts, phases = opened(opening)

@@ -45,6 +45,8 @@ from medseg.distributed.sync.groups import (
     choose_groups,
     epoch_rounds,
     fit_wan_factor,
+    groups_by_host,
+    groups_without_speeds,
     parse_groups,
     profile_throughput,
     scale_periods,
@@ -86,7 +88,14 @@ class HorovodSession(LocalSession):
         self.startup: dict[str, float] = {}  # seconds of each start-up phase
         assert secret is not None
         (self.channel, self.hosts, phases), self._horovod = channel_startup.start_rank(
-            hvd, cfg.dist.sync, cfg.dist.timeout_s, secret, self.startup
+            hvd,
+            cfg.dist.sync,
+            cfg.dist.timeout_s,
+            secret,
+            self.startup,
+            lambda hosts: (
+                groups_without_speeds(cfg.dist, hosts) if cfg.dist.sync in ("gssp", "ssp") else None
+            ),
         )
         self.rank, self.size = self.channel.rank, self.channel.size
         self.is_chief = self.rank == 0
@@ -206,14 +215,9 @@ class HorovodSession(LocalSession):
             )
 
     def _groups_without_speeds(self) -> list[list[int]] | None:
-        """The groups when they follow from what every rank holds alike (the gathered host names, the
-        job's size): one per rank for ssp, one per host by default; ``None`` when rank 0 decides."""
-        d = self.dist
-        if d.sync == "ssp":
-            return [[r] for r in range(self.size)]
-        if not d.groups and d.group_by == "host":
-            return self._groups_by_host()
-        return None
+        """The groups when they follow from what every rank holds alike (the hosts, the job's
+        size): :func:`groups_without_speeds`; ``None`` when rank 0 decides."""
+        return groups_without_speeds(self.dist, self.hosts)
 
     def _hides_wan(self, model: torch.nn.Module | None) -> torch.nn.Module | None:
         """``model`` when the leaders time a round's exchange to lengthen the rounds, else ``None``."""
@@ -296,10 +300,7 @@ class HorovodSession(LocalSession):
 
     def _groups_by_host(self) -> list[list[int]]:
         """One group per host, in order of each host's lowest rank."""
-        by_host: dict[str, list[int]] = {}
-        for r, h in enumerate(self.hosts):
-            by_host.setdefault(h, []).append(r)
-        return sorted(by_host.values(), key=min)
+        return groups_by_host(self.hosts)
 
     def _speed_ratios(self, speeds: list[float]) -> list[float]:
         """Each group's mean per-rank speed over the slowest group's (its round's length in steps,

@@ -31,8 +31,14 @@ epoch-end average (local-sgd; gssp buffers) site then leaders   WAN bytes of one
 bsp-hier / fedavg / diloco site rounds      site then leaders   in-site exact, one copy per site
 barriers, small values and state           world (torch)       long timeout; the watchdog decides;
                                                                 a small JSON value travels with its
-                                                                size (one WAN round trip, not two)
+                                                                size, as a star through rank 0
 ==========================================  ==================  ===================================
+
+The synchronisation groups, when every rank can name them at launch (one per host, from the
+launcher's placement, :mod:`medseg.distributed.launch.rank_hosts`), connect on a thread while the
+world group connects (:meth:`Channel.set_groups` then adopts them): each ``ProcessGroupGloo``'s
+full-mesh connect is a series of store reads and TCP handshakes, so across sites it waits on round
+trips, and two of them side by side take about as long as one.
 
 Small values and state cross as declared wire messages (:mod:`medseg.distributed.comm.wire`: JSON
 of a declared schema, tensors with a declared dtype and shape), never as pickles: each sender's
@@ -56,6 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from medseg.distributed.background import InBackground
 from medseg.distributed.comm import audit, auth, wire
 from medseg.distributed.comm.store_address import (
     listen_on,
@@ -99,6 +106,7 @@ class Group:
         timeout: datetime.timedelta,
         names: list[str] | None = None,
     ) -> None:
+        self.name = name  # its prefix in the channel's store
         self.ranks = sorted(ranks)
         self.index = self.ranks.index(rank)
         self.size = len(self.ranks)
@@ -398,10 +406,17 @@ class Channel:
         self._open(hvd.rank(), hvd.size(), timeout_s, secret, lambda where: share_address(hvd, secret, where))
 
     @classmethod
-    def before_horovod(cls, server: tuple[str, int], timeout_s: float, secret: bytes) -> Channel:
+    def before_horovod(
+        cls,
+        server: tuple[str, int],
+        timeout_s: float,
+        secret: bytes,
+        early_groups: list[list[int]] | None = None,
+    ) -> Channel:
         """The channel of the rank ``horovodrun`` started (``HOROVOD_RANK``/``HOROVOD_SIZE``), its store
         address shared through the rendezvous ``server``: needs no Horovod call, so it can be built on a
-        thread while ``hvd.init()`` runs. Call :func:`use_job_interface` first, on the main thread."""
+        thread while ``hvd.init()`` runs. Call :func:`use_job_interface` first, on the main thread.
+        ``early_groups``: the synchronisation groups, connected beside the world group."""
         rank, size = int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])
         channel = cls.__new__(cls)
         wait_s = max(3600.0, 20 * timeout_s)
@@ -411,6 +426,7 @@ class Channel:
             timeout_s,
             secret,
             lambda where: rendezvous_address(server, secret, where, wait_s, size),
+            early_groups,
         )
         return channel
 
@@ -421,8 +437,10 @@ class Channel:
         timeout_s: float,
         secret: bytes,
         share: Callable[[tuple[str, int] | None], tuple[str, int]],
+        early_groups: list[list[int]] | None = None,
     ) -> None:
-        """Host (rank 0) or join the store whose address ``share`` hands every rank, then the world group."""
+        """Host (rank 0) or join the store whose address ``share`` hands every rank, then the world
+        group (and, on a thread beside it, ``early_groups``' connections)."""
         self.rank, self.size = rank, size
         self.timeout = datetime.timedelta(seconds=max(3600.0, 20 * timeout_s))
         listener = None
@@ -451,6 +469,10 @@ class Channel:
         self.store = auth.MacStore(tcp, secret)
         self.names = default_names(self.size)
         stored = time.perf_counter()
+        early = [sorted(g) for g in early_groups] if early_groups else None
+        self._early = (
+            (early, InBackground(self._connect_early, early, (host, port), secret)) if early else None
+        )
         self.world = Group(self.store, "world/", list(range(self.size)), self.rank, self.timeout, self.names)
         # seconds of each step of the channel's start-up (reported with the session's own)
         self.startup = {
@@ -475,23 +497,50 @@ class Channel:
         return self.names[rank]
 
     def set_groups(self, groups: list[list[int]]) -> None:
-        """Build this rank's sync group and, on leaders, the leaders' group (members only connect)."""
+        """Build this rank's sync group and, on leaders, the leaders' group (members only connect);
+        the groups connected at start-up when they are these."""
         self.groups = [sorted(g) for g in groups]
         i = next(i for i, g in enumerate(self.groups) if self.rank in g)
         self.group = self.groups[i]
         self.leader = self.group[0]
-        key = "-".join(map(str, self.group))
-        self.group_pg = (
-            Group(self.store, f"group{key}/", self.group, self.rank, self.timeout, self.names)
-            if len(self.group) > 1
+        early, self._early = self._early, None
+        if early is not None and early[0] == self.groups:
+            self.group_pg, self.leaders_pg = early[1].result()
+        else:
+            self.group_pg, self.leaders_pg = self._connect(self.groups, "")
+
+    def _connect_early(
+        self, groups: list[list[int]], where: tuple[str, int], secret: bytes
+    ) -> tuple[Group | None, Group | None]:
+        """:meth:`_connect` for the groups named at launch, through a store connection of their own:
+        a store client waits for a key while holding its connection, so the world group's
+        rendezvous on the channel's connection would wait behind theirs (and the ranks deadlock)."""
+        tcp = dist.TCPStore(
+            where[0], where[1], self.size, is_master=False, timeout=self.timeout, wait_for_workers=False
+        )
+        return self._connect(groups, "early-", auth.MacStore(tcp, secret))
+
+    def _connect(
+        self, groups: list[list[int]], prefix: str, store: Any = None
+    ) -> tuple[Group | None, Group | None]:
+        """This rank's group of ``groups`` (None alone) and, on a leader, the leaders' group; every
+        member of a group calls this with the same ``groups`` and ``prefix`` (``store``: the
+        channel's unless given)."""
+        store = store if store is not None else self.store
+        group = next(g for g in groups if self.rank in g)
+        key = "-".join(map(str, group))
+        group_pg = (
+            Group(store, f"{prefix}group{key}/", group, self.rank, self.timeout, self.names)
+            if len(group) > 1
             else None
         )
-        leaders = [g[0] for g in self.groups]
-        self.leaders_pg = (
-            Group(self.store, "leaders/", leaders, self.rank, self.timeout, self.names)
-            if self.is_leader
+        leaders = [g[0] for g in groups]
+        leaders_pg = (
+            Group(store, f"{prefix}leaders/", leaders, self.rank, self.timeout, self.names)
+            if self.rank == group[0]
             else None
         )
+        return group_pg, leaders_pg
 
     def make_group(self, tag: str, ranks: list[int]) -> Group:
         """A new group over ``ranks`` (this rank among them) on the channel's store; ``tag`` must be

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from medseg.config import DistConfig
 from medseg.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,24 @@ UNIFORM_CV = 0.1
 #: variance estimate in the Calinski-Harabasz score, so that splitting already tight clusters
 #: (spreads of a few percent, i.e. measurement noise) is not rewarded; see :func:`choose_groups`.
 NOISE_REL = 0.05
+
+
+def groups_without_speeds(dist: DistConfig, hosts: list[str]) -> list[list[int]] | None:
+    """The sync groups every rank can name from every rank's host alone: one per rank for ssp, one
+    per host by default; ``None`` when rank 0 decides (explicit groups, or groups by speed)."""
+    if dist.sync == "ssp":
+        return [[r] for r in range(len(hosts))]
+    if not dist.groups and dist.group_by == "host":
+        return groups_by_host(hosts)
+    return None
+
+
+def groups_by_host(hosts: list[str]) -> list[list[int]]:
+    """One group per host (``hosts[r]`` is rank r's), in order of each host's lowest rank."""
+    by_host: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        by_host.setdefault(h, []).append(r)
+    return sorted(by_host.values(), key=min)
 
 
 def _as_speeds(values: Sequence[float], what: str = "throughputs") -> np.ndarray:

@@ -146,3 +146,46 @@ def test_two_ranks_build_the_channel_from_horovodruns_environment_alone(server) 
     for r, s in enumerate(seen):
         assert s["rank"] == r and s["hosts"] == ["site0", "site1"] and s["gathered"] == [1, 2]
         assert s["phases"] == ["channel_address", "channel_store", "channel_world", "hostnames"]
+
+
+EARLY = Path(__file__).with_name("mp") / "channel_early_groups.py"
+
+
+@pytest.mark.parametrize("groups", ["same", "other"])
+def test_groups_named_at_launch_connect_beside_the_world_and_are_adopted_only_if_set(server, groups) -> None:
+    """Ranks 0, 1 on host A and 2 on host B (the launcher's placement): the groups by host connect
+    while the world does; setting those groups adopts them, setting others builds new ones; each
+    group's allreduce sums its own members."""
+    env = {
+        **os.environ,
+        **auth.secret_env(secrets.token_bytes(32)),
+        "HOROVOD_SIZE": "3",
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": server[0],
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(server[1]),
+        "MEDSEG_RANK_HOSTS": "hostA,hostA,hostB",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(EARLY), groups],
+            env={**env, "HOROVOD_RANK": str(r), "HOROVOD_HOSTNAME": "hostA" if r < 2 else "hostB"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(3)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [o[1][-1500:] for o in outs]
+    seen = {s["rank"]: s["sums"] for s in (json.loads(o[0].strip().splitlines()[-1]) for o in outs)}
+    if groups == "same":  # groups [0, 1] and [2]; leaders 0 and 2
+        assert seen[0] == {"group": ["early-group0-1/", 3.0], "leaders": ["early-leaders/", 4.0]}
+        assert seen[1] == {"group": ["early-group0-1/", 3.0]}
+        assert seen[2] == {"leaders": ["early-leaders/", 4.0]}
+    else:  # groups [0] and [1, 2]; leaders 0 and 1
+        assert seen[0] == {"leaders": ["leaders/", 3.0]}
+        assert seen[1] == {"group": ["group1-2/", 5.0], "leaders": ["leaders/", 3.0]}
+        assert seen[2] == {"group": ["group1-2/", 5.0]}
