@@ -179,7 +179,7 @@ class HorovodSession(LocalSession):
         self.phase("profile")
         tic = time.perf_counter()
         profiles = d.sync in ("gssp", "ssp") and not d.periods
-        early = self._groups_without_speeds() if profiles else None
+        early = groups_without_speeds(self.dist, self.hosts) if profiles else None
         connecting = None
         if early is not None:
             self.groups = early
@@ -214,11 +214,6 @@ class HorovodSession(LocalSession):
                 round(self.exchange_s, 3) if self.exchange_s is not None else "not measured",
             )
 
-    def _groups_without_speeds(self) -> list[list[int]] | None:
-        """The groups when they follow from what every rank holds alike (the hosts, the job's
-        size): :func:`groups_without_speeds`; ``None`` when rank 0 decides."""
-        return groups_without_speeds(self.dist, self.hosts)
-
     def _hides_wan(self, model: torch.nn.Module | None) -> torch.nn.Module | None:
         """``model`` when the leaders time a round's exchange to lengthen the rounds, else ``None``."""
         d = self.dist
@@ -246,12 +241,12 @@ class HorovodSession(LocalSession):
         d = self.dist
         if d.sync not in ("gssp", "ssp", "local-sgd"):
             return self.groups
-        groups = self._groups_without_speeds()
+        groups = groups_without_speeds(self.dist, self.hosts)
         if groups is None:
             if d.groups:
                 groups = parse_groups(d.groups, self.size)
             elif d.sync == "local-sgd":
-                groups = self._groups_by_host()
+                groups = groups_by_host(self.hosts)
             else:
                 groups = choose_groups(self.speeds, k=d.num_groups or None)
         return self._checked_groups(self.channel.broadcast_json(groups, "groups"))
@@ -297,10 +292,6 @@ class HorovodSession(LocalSession):
         """:func:`~medseg.distributed.sync.groups.wan_round_factor` for the measured speeds and exchange."""
         per_rank = [sum(self.speeds[r] for r in g) / len(g) for g in self.groups]
         return wan_round_factor(exchange_s, self.ratios, per_rank, self.probe_samples, MAX_WAN_FACTOR)
-
-    def _groups_by_host(self) -> list[list[int]]:
-        """One group per host, in order of each host's lowest rank."""
-        return groups_by_host(self.hosts)
 
     def _speed_ratios(self, speeds: list[float]) -> list[float]:
         """Each group's mean per-rank speed over the slowest group's (its round's length in steps,

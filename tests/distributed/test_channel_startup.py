@@ -118,6 +118,28 @@ def test_when_hvd_init_fails_after_the_channel_failed_the_channels_error_is_rais
         channel_startup.init_horovod(_Hvd(), None)
 
 
+def _run_ranks(argv: list[str], env: dict[str, str], hosts: list[str]) -> list[dict]:
+    """One process per entry of ``hosts`` (rank r on ``hosts[r]``) running ``python argv``; the JSON
+    each printed last, in rank order, once all ended with status 0."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *argv],
+            env={**env, "HOROVOD_RANK": str(r), "HOROVOD_HOSTNAME": host},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r, host in enumerate(hosts)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [o[1][-1500:] for o in outs]
+    return [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+
+
 def test_two_ranks_build_the_channel_from_horovodruns_environment_alone(server) -> None:
     env = {
         **os.environ,
@@ -126,23 +148,7 @@ def test_two_ranks_build_the_channel_from_horovodruns_environment_alone(server) 
         "HOROVOD_GLOO_RENDEZVOUS_ADDR": server[0],
         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(server[1]),
     }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(PROBE)],
-            env={**env, "HOROVOD_RANK": str(r), "HOROVOD_HOSTNAME": f"site{r}"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), [o[1][-1500:] for o in outs]
-    seen = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    seen = _run_ranks([str(PROBE)], env, ["site0", "site1"])
     for r, s in enumerate(seen):
         assert s["rank"] == r and s["hosts"] == ["site0", "site1"] and s["gathered"] == [1, 2]
         assert s["phases"] == ["channel_address", "channel_store", "channel_world", "hostnames"]
@@ -164,23 +170,7 @@ def test_groups_named_at_launch_connect_beside_the_world_and_are_adopted_only_if
         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(server[1]),
         "MEDSEG_RANK_HOSTS": "hostA,hostA,hostB",
     }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(EARLY), groups],
-            env={**env, "HOROVOD_RANK": str(r), "HOROVOD_HOSTNAME": "hostA" if r < 2 else "hostB"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(3)
-    ]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), [o[1][-1500:] for o in outs]
-    seen = {s["rank"]: s["sums"] for s in (json.loads(o[0].strip().splitlines()[-1]) for o in outs)}
+    seen = {s["rank"]: s["sums"] for s in _run_ranks([str(EARLY), groups], env, ["hostA", "hostA", "hostB"])}
     if groups == "same":  # groups [0, 1] and [2]; leaders 0 and 2
         assert seen[0] == {"group": ["early-group0-1/", 3.0], "leaders": ["early-leaders/", 4.0]}
         assert seen[1] == {"group": ["early-group0-1/", 3.0]}

@@ -20,6 +20,7 @@ from medseg.distributed.comm.checks import (
 )
 from medseg.distributed.comm.collectives import CompressedAllreduce
 from medseg.distributed.comm.compression import encode, encoded_nbytes
+from medseg.distributed.epoch_numbers import rank_numbers
 from medseg.distributed.local_session import LocalSession
 from medseg.distributed.session import HorovodSession
 from medseg.distributed.sync.common import AverageCheck, StepStats, average_model, flat
@@ -338,19 +339,8 @@ def test_local_session_refuses_a_diverged_epoch_before_its_checkpoint() -> None:
     check_trained([("x", torch.ones(2)), ("n", torch.tensor([1, 2]))])
 
 
-NUMBERS = {
-    "samples": 8,
-    "steps": 4,
-    "bytes": 0,
-    "wan_bytes": 0,
-    "site_s": 0.0,
-    "wan_wait_s": 0.0,
-    "max_staleness": 0,
-    "wall_s": 2.0,
-    "slept_s": 0.0,
-    "compute_s": 1.0,
-    "peak_rss_mb": 100.0,
-}
+# one rank's epoch numbers as the session makes them (the ``numbers`` part of an ``epoch-end`` message)
+NUMBERS = rank_numbers(StepStats(steps=4), 8, 0, 2.0, 0.0, 1.0)
 
 
 def test_site_metrics_from_a_site_that_speaks_for_another_or_weighs_zero_are_refused() -> None:

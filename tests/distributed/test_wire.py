@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from medseg.distributed.comm import auth, wire
 from medseg.distributed.comm.channel import INLINE_JSON_BYTES, Group, gather_tree_to_root
+from medseg.distributed.epoch_numbers import rank_numbers
+from medseg.distributed.sync.common import StepStats
 from medseg.errors import RunError
 
 FACTS = {
@@ -50,19 +52,8 @@ def test_no_pickle_in_the_engine() -> None:
             assert word not in text, f"{path}: {word}"
 
 
-NUMBERS = {
-    "samples": 8,
-    "steps": 4,
-    "bytes": 0,
-    "wan_bytes": 0,
-    "site_s": 0.0,
-    "wan_wait_s": 0.0,
-    "max_staleness": 0,
-    "wall_s": 2.0,
-    "slept_s": 0.0,
-    "compute_s": 1.0,
-    "peak_rss_mb": 100.0,
-}
+# one rank's epoch numbers as the session makes them (the ``numbers`` part of an ``epoch-end`` message)
+NUMBERS = rank_numbers(StepStats(steps=4), 8, 0, 2.0, 0.0, 1.0)
 
 
 def test_declared_values_round_trip() -> None:

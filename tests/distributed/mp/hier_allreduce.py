@@ -29,33 +29,19 @@ from __future__ import annotations
 import math
 import sys
 
+import agreed_checks
 import horovod.torch as hvd
 import torch
+from agreed_checks import check  # this folder is on sys.path
 
-# the same layers, gradients and byte helpers as the flat scheme's test (this folder is on sys.path)
+# the same layers, gradients and byte helpers as the flat scheme's test
 from compressed_allreduce import LARGE, SHAPES, SMALL, chunk_sizes, enc_bytes, inputs
 
-from medseg.distributed.comm import wire
 from medseg.distributed.comm.channel import Channel
 from medseg.distributed.comm.compression import DEFAULT_CLIP, decode, encode
 from medseg.distributed.comm.site_allreduce import HierarchicalCompressedAllreduce
 
 BITS, STEPS = 4, 24
-wire.register_tree("test")  # this harness's own results travel as tensors plus JSON (no pickle)
-
-failures = 0
-
-
-def check(channel: Channel, name: str, ok: bool, detail: str = "") -> None:
-    """Agree on ``ok`` over all ranks and report it from rank 0."""
-    global failures
-    everyone = channel.gather_tree(bool(ok), "test")
-    if not ok:
-        print(f"rank {channel.rank}: {name}: {detail}", file=sys.stderr, flush=True)
-    if not all(everyone):
-        failures += 1
-    if channel.rank == 0:
-        print(f"{'PASS' if all(everyone) else 'FAIL'} {name} (N={channel.size}) {detail}", flush=True)
 
 
 def ring(numel: int, n: int) -> float:
@@ -177,7 +163,7 @@ def main() -> int:
     )
     channel.close()
     hvd.shutdown()
-    return 1 if failures else 0
+    return 1 if agreed_checks.failures else 0
 
 
 if __name__ == "__main__":

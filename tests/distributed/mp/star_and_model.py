@@ -18,28 +18,14 @@ from __future__ import annotations
 
 import sys
 
+import agreed_checks
 import horovod.torch as hvd
 import torch
+from agreed_checks import check
 
 from medseg.distributed.comm import channel as channel_module
-from medseg.distributed.comm import wire
 from medseg.distributed.comm.channel import STAR_MAX_BYTES, Channel
 from medseg.distributed.sync.common import flat, one_initial_model
-
-wire.register_tree("test")
-failures = 0
-
-
-def check(channel: Channel, name: str, ok: bool, detail: str = "") -> None:
-    """Agree on ``ok`` over all ranks and report it from rank 0."""
-    global failures
-    everyone = channel.gather_tree(bool(ok), "test")
-    if not ok:
-        print(f"rank {channel.rank}: {name}: {detail}", file=sys.stderr, flush=True)
-    if not all(everyone):
-        failures += 1
-    if channel.rank == 0:
-        print(f"{'PASS' if all(everyone) else 'FAIL'} {name} (N={channel.size}) {detail}", flush=True)
 
 
 def model(seed: int) -> torch.nn.Module:
@@ -105,7 +91,7 @@ def main() -> int:
     check(channel, "barrier_with carries rank 0's value", got == 7, str(got))
     assert channel_module.STAR_MAX_BYTES == STAR_MAX_BYTES
     channel.close()
-    return 1 if failures else 0
+    return 1 if agreed_checks.failures else 0
 
 
 if __name__ == "__main__":
