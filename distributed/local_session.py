@@ -80,9 +80,15 @@ class LocalSession:
     def report(self, record: dict[str, Any]) -> None:
         """No launcher to report to outside a launched job."""
 
-    def start_epoch(self, stop: bool = False) -> bool:
+    def start_epoch(self, stop: bool = False, agreed: bool = False) -> bool:
         """Nothing to time in one process; the stop decision is this process's own."""
         return stop
+
+    @property
+    def scores_everywhere(self) -> bool:
+        """Whether every rank holds the epoch's pooled validation scores after :meth:`finish_epoch`
+        (then each decides early stopping itself, identically): one process holds its own."""
+        return True
 
     def end_epoch(self, optimizer: Any) -> dict[str, Any]:
         """Refuse a diverged epoch (RunError before its checkpoint is written); no numbers to add."""

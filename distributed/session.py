@@ -502,19 +502,28 @@ class HorovodSession(LocalSession):
             }
         )
 
-    def start_epoch(self, stop: bool = False) -> bool:
-        """Wait for every rank, then start the epoch's clocks; returns rank 0's ``stop`` on every rank.
+    def start_epoch(self, stop: bool = False, agreed: bool = False) -> bool:
+        """Start the epoch's clocks; returns the early-stopping decision, the same on every rank.
 
-        Rank 0 validates between epochs: everyone waits for it here (alive, in phase "wait"), so
-        that epoch clocks start together and measure training. Its early-stopping decision rides
-        on the same barrier (:meth:`~medseg.distributed.comm.channel.Channel.barrier_with`): across
-        sites every collective is a WAN round trip.
+        ``agreed``: every rank already holds the decision (``stop``, made by each from the pooled
+        scores of :meth:`finish_epoch`, :attr:`scores_everywhere`), so no rank waits for another
+        here: between sites a barrier costs WAN round trips every epoch. Otherwise (the first
+        epoch; rank 0 validating alone) every rank waits for rank 0 (alive, in phase "wait") and
+        its decision rides on the barrier (:meth:`~medseg.distributed.comm.channel.Channel.barrier_with`),
+        so that the epoch clocks start together.
         """
         self.phase("wait")
-        stop = bool(self.channel.barrier_with(int(stop), 0))
+        if not agreed:
+            stop = bool(self.channel.barrier_with(int(stop), 0))
         self.phase("train")
         self.epoch_samples, self.epoch_tic, self.compute_s = 0, time.perf_counter(), 0.0
         return stop
+
+    @property
+    def scores_everywhere(self) -> bool:
+        """With sites every rank receives every site's validation scores in :meth:`finish_epoch`;
+        without them rank 0 alone validates."""
+        return self.site is not None
 
     def end_epoch(self, optimizer: Any) -> dict[str, Any]:
         """Finish the epoch's synchronisation and note this rank's numbers (every rank calls this);
@@ -533,13 +542,14 @@ class HorovodSession(LocalSession):
     def finish_epoch(
         self, metrics: dict[str, Any] | None
     ) -> tuple[dict[str, Any], dict[str, dict[str, Any]] | None]:
-        """The job's epoch numbers and, on rank 0, each site's validation scores by site.
+        """The job's epoch numbers and each site's validation scores by site (on every rank).
 
         Every rank calls this after validation, with ``metrics`` its site's scores when validation
         was due at sites (``{}`` on a rank that does not validate) and None otherwise. Each rank's
         numbers and its site's scores travel in one message (``epoch-end``): between sites every
-        collective costs WAN round trips, and this is the epoch's only one besides the rounds and
-        :meth:`start_epoch`. The scores are None elsewhere, and without sites or validation.
+        collective costs WAN round trips, and this is the epoch's only one besides the rounds: every
+        rank receives every site's scores, so each decides early stopping itself and the next
+        :meth:`start_epoch` needs no barrier. The scores are None without sites or validation.
         """
         site = (
             (self.site, metrics) if metrics is not None and self.site is not None and self.validates else None
@@ -556,7 +566,7 @@ class HorovodSession(LocalSession):
         check_site_entries(entries, self.rank_sites, self.channel.describe, "validation scores")
         for entry in filter(None, entries):
             check_site_metrics(entry[0], entry[1])
-        return numbers, ({s: m for s, m in filter(None, entries)} if self.is_chief else None)
+        return numbers, {s: m for s, m in filter(None, entries)}
 
     def close(self) -> None:
         self.beats.set_phase("done")  # the watchdog stops expecting beats from this rank

@@ -41,6 +41,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,6 +126,14 @@ class MacStore(dist.Store):
     with ``set``/``get``/``wait`` only, so every address it reads is authenticated. ``add`` and
     ``compare_set`` pass through unauthenticated (atomic counters cannot carry a MAC; medseg does not
     use them).
+
+    Reads cost one round trip where the key is there. Gloo reads each peer's address as ``wait``
+    then ``get``, and a ``TCPStore.get`` is itself a wait and a read: three round trips to the
+    store's host per key, which across slow links is most of a group's connect time (measured on
+    the dilated testbed: 2.6 s per key from the farthest site, 4 keys for a 4-rank group). So
+    :meth:`wait` reads each key with :meth:`peek` (one ``compare_set`` that cannot change the
+    store) and keeps the raw value for the :meth:`get` that follows; only a key not yet written
+    is waited for, then peeked. A kept value is handed out once, by the next ``get`` of that key.
     """
 
     DOMAIN = b"medseg-store"
@@ -132,16 +141,29 @@ class MacStore(dist.Store):
     def __init__(self, inner: dist.Store, secret: bytes) -> None:
         super().__init__()
         self.inner, self._secret = inner, secret
+        self._read: dict[str, bytes] = {}  # raw values read by wait(), for the get() that follows
+        # compare_set's expected value for a peek: no stored value (MAC || data) can equal it
+        self._absent = b"\x00medseg-absent\x00" + secrets.token_bytes(16)
+
+    def peek(self, key: str) -> bytes | None:
+        """The raw (MAC'd) value of ``key``, None when it is not there; one round trip, the store
+        unchanged (``compare_set`` of an absent key with a non-empty expected value writes nothing
+        and answers the expected value; of a present key, answers its value, which cannot equal
+        ``_absent``)."""
+        raw = bytes(self.inner.compare_set(key, self._absent, self._absent))
+        return None if raw == self._absent else raw
 
     def _tag(self, key: str, value: bytes) -> bytes:
         return mac(self._secret, self.DOMAIN, key.encode(), value)
 
     def set(self, key: str, value: Any) -> None:
         data = _as_bytes(value)
+        self._read.pop(key, None)
         self.inner.set(key, self._tag(key, data) + data)
 
     def get(self, key: str) -> bytes:
-        raw = bytes(self.inner.get(key))
+        read = self._read.pop(key, None)
+        raw = read if read is not None else bytes(self.inner.get(key))
         tag, data = raw[:MAC_BYTES], raw[MAC_BYTES:]
         if len(raw) < MAC_BYTES or not hmac.compare_digest(tag, self._tag(key, data)):
             raise ForgedValue(
@@ -165,15 +187,25 @@ class MacStore(dist.Store):
         return bytes(self.inner.compare_set(key, expected, desired))
 
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
-        if timeout is None:
-            self.inner.wait(list(keys))
-        else:
-            self.inner.wait(list(keys), timeout)
+        """Block until every key is there (at most ``timeout``), reading each as it is found."""
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        for key in keys:
+            raw = self.peek(key)
+            while raw is None:  # the store's wait can return before the key is there (seen on
+                # the dilated testbed, on the store's host); the deadline bounds the loop
+                if deadline is None:
+                    self.inner.wait([key])
+                else:
+                    left = max(deadline - time.monotonic(), 0.001)
+                    self.inner.wait([key], datetime.timedelta(seconds=left))
+                raw = self.peek(key)
+            self._read[key] = raw
 
     def check(self, keys: Sequence[str]) -> bool:
         return bool(self.inner.check(list(keys)))
 
     def delete_key(self, key: str) -> bool:
+        self._read.pop(key, None)
         return bool(self.inner.delete_key(key))
 
     def num_keys(self) -> int:

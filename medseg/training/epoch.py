@@ -67,10 +67,10 @@ def validate(run: Run, epoch: int) -> tuple[dict[str, Any], dict[str, Any]]:
     ``train.val_interval`` and the last epoch).
 
     Ranks that validate score their validation cases. With sites, each site's leader scored its own
-    held-out cases; only the scores travel, to rank 0, with every rank's epoch numbers
-    (:meth:`~medseg.distributed.session.HorovodSession.finish_epoch`), and rank 0 pools them (each
-    metric's mean over sites weighted by their validation cases) and keeps each site's own under
-    ``sites``. Scores are empty when nothing was scored here.
+    held-out cases; only the scores travel, to every rank, with every rank's epoch numbers
+    (:meth:`~medseg.distributed.session.HorovodSession.finish_epoch`), and every rank pools them
+    the same way (each metric's mean over sites weighted by their validation cases) and keeps each
+    site's own under ``sites``. Scores are empty when nothing was scored here.
     """
     cfg, session, data = run.cfg, run.session, run.data
     due = epoch % cfg.train.val_interval == 0 or epoch == cfg.train.epochs

@@ -32,9 +32,14 @@ class History:
         return is_best
 
 
-def reached_stop_at(t: TrainConfig, key_metric: str, metric: float | None, epoch: int) -> bool:
+def stop_due(t: TrainConfig, metric: float | None, epoch: int) -> bool:
     """Early stopping: the key metric reached ``train.stop_at`` at or after ``train.min_epochs``."""
-    reached = bool(t.stop_at and metric is not None and metric >= t.stop_at and epoch >= t.min_epochs)
+    return bool(t.stop_at and metric is not None and metric >= t.stop_at and epoch >= t.min_epochs)
+
+
+def reached_stop_at(t: TrainConfig, key_metric: str, metric: float | None, epoch: int) -> bool:
+    """:func:`stop_due`, logged when it is."""
+    reached = stop_due(t, metric, epoch)
     if reached:
         run_log.info(
             "%s %.4f reached train.stop_at %.4f at epoch %d: stopping", key_metric, metric, t.stop_at, epoch

@@ -26,7 +26,7 @@ from medseg.training.build import build_run
 from medseg.training.checkpoints import checkpoint_payload, export_best, save_checkpoints
 from medseg.training.data import seed_epoch
 from medseg.training.epoch import train_steps, validate
-from medseg.training.history import History, reached_stop_at
+from medseg.training.history import History, reached_stop_at, stop_due
 from medseg.training.resume import read_resume_state, restore
 from medseg.training.run import Run, RunPaths, TrainResult
 from medseg.training.runlog import plot_learning_curve, write_metrics
@@ -110,11 +110,13 @@ def _train(
 def _run_epochs(run: Run, history: History, stop: int) -> int:
     """Train from ``history.start`` up to epoch ``stop`` (or until train.stop_at); the last epoch trained."""
     cfg, session, t = run.cfg, run.session, run.cfg.train
-    reached = False  # the key metric reached train.stop_at (chief's decision, shared at the next epoch)
+    # the key metric reached train.stop_at: every rank's own decision from the same pooled scores
+    # where every rank holds them (agreed), else the chief's, shared at the next epoch's start
+    reached, agreed = False, False
     last = min(stop, t.epochs)
     for epoch in range(history.start, min(stop, t.epochs) + 1):
         seed_epoch(run.data, t.seed, epoch, session.rank)
-        if session.start_epoch(reached) and t.stop_at:  # rank 0's decision, on every rank
+        if session.start_epoch(reached, agreed) and t.stop_at:  # the same decision on every rank
             last = epoch - 1
             break
         record = train_steps(run, epoch)
@@ -127,8 +129,10 @@ def _run_epochs(run: Run, history: History, stop: int) -> int:
         )  # local_norm: each site's own norm tensors, on rank 0
         val_tic = time.perf_counter()
         numbers, scores = validate(run, epoch)
+        agreed = session.scores_everywhere
         if not session.is_chief:
-            continue  # rank 0 alone writes; the others wait for it at the next epoch
+            reached = agreed and stop_due(t, scores.get(run.task.key_metric), epoch)
+            continue  # rank 0 alone writes
         record.update(numbers)
         record.update(scores)
         if scores:

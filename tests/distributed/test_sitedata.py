@@ -283,6 +283,24 @@ def test_sites_train_on_their_own_data_send_no_image_bytes_and_report_per_site(t
     assert result["pooled"]["dice"] == pytest.approx((5 * dice_a + 4 * dice_b) / 9, abs=1e-6)
 
 
+def test_every_rank_stops_early_at_the_same_epoch_from_the_pooled_scores(tmp_path: Path) -> None:
+    """With sites every rank receives every site's scores and decides early stopping itself (no
+    barrier between epochs): the epoch at which train.stop_at is met is the last one every rank
+    trains, and the job ends cleanly."""
+    _, cfg = _two_sites(tmp_path, local_norm=False, epochs=5)
+    # every score meets a negative stop_at (this tiny net's Dice may still be 0), so the stop is due
+    # at min_epochs: every rank must stop there from the scores it received, not from a barrier
+    cfg["train"].update({"stop_at": -1.0, "min_epochs": 2})
+    proc = _train(tmp_path, cfg)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "runs" / "sites"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2] and set(records[-1]["sites"]) == {"a", "b"}
+    for r in (0, 1):
+        events = [json.loads(line) for line in (run / "ranks" / f"rank-{r}.jsonl").read_text().splitlines()]
+        assert max(e.get("epoch", 0) for e in events) == 2, (r, events[-3:])
+
+
 @pytest.mark.parametrize("sync", ["gssp", "fedavg"])
 def test_a_site_whose_dataset_differs_stops_the_job_before_training(tmp_path: Path, sync: str) -> None:
     """With or without profiling the ranks (gssp does, fedavg does not), the job stops before any step."""

@@ -236,6 +236,49 @@ def test_a_forged_store_value_is_refused() -> None:
         other.get("world//0/1")
 
 
+class _Counted:
+    """A store that counts the requests a MacStore sends it (each one a round trip to the store's host)."""
+
+    def __init__(self, inner: dist.Store) -> None:
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name: str):
+        def call(*args):
+            self.calls.append(name)
+            return getattr(self.inner, name)(*args)
+
+        return call
+
+
+def test_a_read_after_wait_is_one_round_trip_and_changes_nothing() -> None:
+    """Gloo reads each address as wait, then get: for a key that is there, one request in all
+    (TCPStore's own wait then get would be three); for one that is not, the store is left without
+    it, and the wait ends when a peer writes it."""
+    secret = secrets.token_bytes(32)
+    (writer, _), (raw, raw_b) = _stores(secret)
+    reader = auth.MacStore(_Counted(raw_b), secret)
+    t = datetime.timedelta(seconds=10)
+    writer.set("world//0/0", b"198.18.1.1:5000")
+    stored = bytes(raw.get("world//0/0"))
+    reader.wait(["world//0/0"], t)
+    assert reader.get("world//0/0") == b"198.18.1.1:5000"
+    assert reader.inner.calls == ["compare_set"]
+    assert bytes(raw.get("world//0/0")) == stored  # the peek wrote nothing
+    assert reader.peek("world//0/1") is None and not raw.check(["world//0/1"])
+    threading.Timer(0.3, lambda: writer.set("world//0/1", b"198.18.2.1:5001")).start()
+    reader.inner.calls.clear()
+    reader.wait(["world//0/1"], t)
+    assert reader.get("world//0/1") == b"198.18.2.1:5001" and "get" not in reader.inner.calls
+    writer.set("world//0/1", b"198.18.2.1:6000")  # a value read by wait is handed out once
+    assert reader.get("world//0/1") == b"198.18.2.1:6000"
+    raw.set("world//0/2", b"\x00" * 32 + b"203.0.113.66:6666")  # forged, read through wait
+    reader.wait(["world//0/2"], t)
+    with pytest.raises(auth.ForgedValue, match="'world//0/2' fails the job-secret check"):
+        reader.get("world//0/2")
+    with pytest.raises(dist.DistStoreError):  # a key never written: the wait's timeout ends it
+        reader.wait(["never"], datetime.timedelta(seconds=0.5))
+
+
 def _run_ranks(fns) -> list:
     """Run ``fns[r]()`` for every rank in its own thread; return results (exceptions as values)."""
     out: list = [None] * len(fns)
