@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from medseg.config import Config
+from medseg.config import Config, TrainConfig
 from medseg.datasets.decathlon import DatasetInfo
 from medseg.errors import ConfigError, DataError
 
@@ -117,8 +117,9 @@ def _channels(path: str) -> int:
     return int(shape[3]) if len(shape) > 3 else 1
 
 
-def dataset_facts(info: DatasetInfo, n_train: int, n_val: int) -> dict[str, Any]:
-    """What a site tells the others about its dataset: header facts only (no voxel, no file name)."""
+def dataset_facts(info: DatasetInfo, n_train: int, n_val: int, train: TrainConfig) -> dict[str, Any]:
+    """What a site tells the others about its dataset (header facts only: no voxel, no file name),
+    and the settings its ranks decide early stopping by (each rank decides from the pooled scores)."""
     return {
         "task": info.task,
         "labels": {int(k): str(v) for k, v in info.labels.items()},
@@ -126,6 +127,11 @@ def dataset_facts(info: DatasetInfo, n_train: int, n_val: int) -> dict[str, Any]
         "channels": _channels(info.training[0]["image"]) if info.training else None,
         "train_cases": n_train,
         "val_cases": n_val,
+        "stopping": {
+            "stop_at": train.stop_at,
+            "min_epochs": train.min_epochs,
+            "val_interval": train.val_interval,
+        },
     }
 
 
@@ -141,6 +147,14 @@ def compare_facts(facts: dict[str, dict[str, Any]]) -> None:
                     f"site {site}: its dataset's {key} {_show(mine)} differs from site {ref}'s {_show(theirs)}; "
                     "every site must hold the same task, labels, modalities and channels (nothing was trained)"
                 )
+    for site in sites[1:]:
+        mine, theirs = facts[site].get("stopping"), facts[ref].get("stopping")
+        if mine != theirs:
+            raise ConfigError(
+                f"site {site}: its train settings {_show(mine)} differ from site {ref}'s {_show(theirs)}; "
+                "every rank decides early stopping from the same pooled scores, so every site's config "
+                "must hold the same train.stop_at, min_epochs and val_interval (nothing was trained)"
+            )
     for site, f in facts.items():
         if f.get("train_cases", 0) < 1:
             raise DataError(f"site {site}: its dataset has no training cases left after the validation split")
@@ -198,6 +212,6 @@ def pool_metrics(per_site: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k in keys:
         pairs = [(m[k], m.get("val_cases", 1)) for m in per_site.values() if m.get(k) is not None]
-        total = sum(w for _, w in pairs)
-        out[k] = sum(v * w for v, w in pairs) / total if total else None
+        total = math.fsum(w for _, w in pairs)  # exact: every rank pools these and must agree
+        out[k] = math.fsum(v * w for v, w in pairs) / total if total else None
     return out

@@ -133,7 +133,9 @@ class MacStore(dist.Store):
     the dilated testbed: 2.6 s per key from the farthest site, 4 keys for a 4-rank group). So
     :meth:`wait` reads each key with :meth:`peek` (one ``compare_set`` that cannot change the
     store) and keeps the raw value for the :meth:`get` that follows; only a key not yet written
-    is waited for, then peeked. A kept value is handed out once, by the next ``get`` of that key.
+    is waited for, then peeked. A kept value is handed out once, by the next ``get`` of that key
+    (any write through this store drops it): ``wait`` then ``get`` reads the value as it was when
+    the wait found it, which for Gloo's addresses (each written once) is the only value there is.
     """
 
     DOMAIN = b"medseg-store"
@@ -181,23 +183,29 @@ class MacStore(dist.Store):
             self.set(k, v)
 
     def add(self, key: str, amount: int) -> int:
+        self._read.pop(key, None)
         return int(self.inner.add(key, amount))
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        self._read.pop(key, None)
         return bytes(self.inner.compare_set(key, expected, desired))
 
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
-        """Block until every key is there (at most ``timeout``), reading each as it is found."""
-        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        """Block until every key is there, reading each as it is found; DistStoreError once
+        ``timeout`` (else the store's own) has passed without one."""
+        limit = timeout if timeout is not None else getattr(self.inner, "timeout", None)
+        deadline = time.monotonic() + limit.total_seconds() if isinstance(limit, datetime.timedelta) else None
         for key in keys:
             raw = self.peek(key)
-            while raw is None:  # the store's wait can return before the key is there (seen on
-                # the dilated testbed, on the store's host); the deadline bounds the loop
-                if deadline is None:
+            while raw is None:  # the store's wait can return before the key is there (seen on the
+                # dilated testbed, on the store's host), so the loop ends on the key or the deadline
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is None:
                     self.inner.wait([key])
-                else:
-                    left = max(deadline - time.monotonic(), 0.001)
+                elif left > 0:
                     self.inner.wait([key], datetime.timedelta(seconds=left))
+                else:
+                    raise dist.DistStoreError(f"channel store: key {key!r} was not written within {limit}")
                 raw = self.peek(key)
             self._read[key] = raw
 

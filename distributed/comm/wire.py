@@ -263,6 +263,8 @@ SCHEMAS: dict[str, Spec] = {
             "channels": Either(Int(1, 1 << 16), Null()),
             "train_cases": COUNT,
             "val_cases": COUNT,
+            # what each rank decides early stopping by (the session), which must agree
+            "stopping": Record({"stop_at": Num(), "min_epochs": COUNT, "val_interval": Int(1, 1 << 30)}),
         }
     ),
     # a rank's measured samples per second (a positive finite number)

@@ -127,7 +127,7 @@ def build_run(cfg: Config, session: LocalSession, paths: RunPaths, progress: boo
         from medseg.distributed.site_data import dataset_facts
 
         # header facts against the other sites' before anything is built or trained
-        session.check_sites(dataset_facts(split[0], len(split[1]), len(split[2])))
+        session.check_sites(dataset_facts(split[0], len(split[1]), len(split[2]), cfg.train))
     labels = split[0].labels
     task = make_task(cfg, labels)
     model = build_model(cfg, labels, device)

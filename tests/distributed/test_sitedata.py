@@ -71,6 +71,17 @@ def test_site_facts_mismatch_names_the_site_and_the_difference() -> None:
         )
     with pytest.raises(DataError, match="site c: its dataset's channels 2 differs"):
         compare_facts({"a": {**a, "train_cases": 1}, "c": {**a, "channels": 2, "train_cases": 1}})
+    stop = {"stop_at": 0.85, "min_epochs": 2, "val_interval": 1}
+    compare_facts(
+        {"a": {**a, "train_cases": 1, "stopping": stop}, "b": {**a, "train_cases": 1, "stopping": stop}}
+    )
+    with pytest.raises(ConfigError, match=r"site b: its train settings \{stop_at: 0.9.*differ from site a's"):
+        compare_facts(
+            {
+                "a": {**a, "train_cases": 1, "stopping": stop},
+                "b": {**a, "train_cases": 1, "stopping": {**stop, "stop_at": 0.9}},
+            }
+        )
 
 
 def test_hosts_name_sites_and_configs_are_checked(tmp_path: Path) -> None:
@@ -286,7 +297,7 @@ def test_sites_train_on_their_own_data_send_no_image_bytes_and_report_per_site(t
 def test_every_rank_stops_early_at_the_same_epoch_from_the_pooled_scores(tmp_path: Path) -> None:
     """With sites every rank receives every site's scores and decides early stopping itself (no
     barrier between epochs): the epoch at which train.stop_at is met is the last one every rank
-    trains, and the job ends cleanly."""
+    trains, the job ends cleanly, and only the first epoch started with a barrier."""
     _, cfg = _two_sites(tmp_path, local_norm=False, epochs=5)
     # every score meets a negative stop_at (this tiny net's Dice may still be 0), so the stop is due
     # at min_epochs: every rank must stop there from the scores it received, not from a barrier
@@ -299,6 +310,11 @@ def test_every_rank_stops_early_at_the_same_epoch_from_the_pooled_scores(tmp_pat
     for r in (0, 1):
         events = [json.loads(line) for line in (run / "ranks" / f"rank-{r}.jsonl").read_text().splitlines()]
         assert max(e.get("epoch", 0) for e in events) == 2, (r, events[-3:])
+    # the barrier that carries rank 0's decision (one int64 per rank, a control allgather) ran
+    # before the first epoch only: site b's audit of what it sent site a
+    sent = [json.loads(line) for line in (run / "audit" / "b-rank1.jsonl").read_text().splitlines()]
+    barriers = [m for m in sent if (m["op"], m["kind"], m["bytes"]) == ("allgather", "control", 8)]
+    assert len(barriers) == 1, barriers
 
 
 @pytest.mark.parametrize("sync", ["gssp", "fedavg"])

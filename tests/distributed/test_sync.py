@@ -164,3 +164,16 @@ def test_bench_sites_judges_the_dice_band_on_three_seeds_only() -> None:
     assert [ok for n, ok in band(worse).items() if n.startswith("wan20: gssp ")] == [False]
     worse["seeds"] = 1
     assert band(worse) == {}
+
+
+def test_each_rank_keeps_its_sync_state_of_the_two_previous_epochs(tmp_path: Path) -> None:
+    """With sites a rank can end epoch e + 1 while the chief writes epoch e's checkpoint; a chief that
+    dies then resumes from epoch e - 1's marker, whose files must still be there."""
+    from medseg.distributed import sync_checkpoint
+
+    for epoch in range(1, 5):
+        sync_checkpoint.save({"x": torch.tensor([float(epoch)])}, tmp_path, epoch, 1, "b-0")
+    kept = sorted(p.name for p in (tmp_path / "checkpoints" / "sync").glob("*.pt"))
+    assert kept == ["b-0-e2.pt", "b-0-e3.pt", "b-0-e4.pt"]
+    state = sync_checkpoint.load(tmp_path, "b-0", {"epoch": 2, "ranks": 4}, 1, 4, by_site=True)
+    assert state is not None and float(state["x"][0]) == 2.0

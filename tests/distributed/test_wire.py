@@ -28,6 +28,7 @@ FACTS = {
     "channels": 1,
     "train_cases": 12,
     "val_cases": 3,
+    "stopping": {"stop_at": 0.85, "min_epochs": 0, "val_interval": 1},
 }
 
 
@@ -277,6 +278,38 @@ def test_a_read_after_wait_is_one_round_trip_and_changes_nothing() -> None:
         reader.get("world//0/2")
     with pytest.raises(dist.DistStoreError):  # a key never written: the wait's timeout ends it
         reader.wait(["never"], datetime.timedelta(seconds=0.5))
+
+
+class _WakesEarly(_Counted):
+    """A store whose wait returns at once, key or not (as TCPStore's did on its own host)."""
+
+    def wait(self, keys, timeout=None) -> None:
+        self.calls.append("wait")
+
+
+def test_a_wait_that_returns_early_still_ends_at_the_deadline() -> None:
+    secret = secrets.token_bytes(32)
+    (_, _), (_, raw_b) = _stores(secret)
+    reader = auth.MacStore(_WakesEarly(raw_b), secret)
+    with pytest.raises(dist.DistStoreError, match="'never' was not written within"):
+        reader.wait(["never"], datetime.timedelta(seconds=0.3))
+    assert reader.inner.calls.count("wait") >= 1
+
+
+def test_gloo_reads_each_address_in_one_request() -> None:
+    """Two ranks build a ProcessGroupGloo through a PrefixStore over MacStore: every address Gloo
+    reads comes from the value its wait found (no TCPStore.get, which waits again before it reads)."""
+    secret = secrets.token_bytes(32)
+    _, tcp = _stores(secret)
+    counted = [_Counted(t) for t in tcp]
+    stores = [auth.MacStore(c, secret) for c in counted]
+    t = datetime.timedelta(seconds=20)
+    made = _run_ranks([lambda r=r: Group(stores[r], "world/", [0, 1], r, t) for r in range(2)])
+    assert all(isinstance(g, Group) for g in made), made
+    for c in counted:
+        assert "get" not in c.calls and "compare_set" in c.calls, c.calls
+    got = _run_ranks([lambda g=g: g.gather_json(FACTS, "dataset-header") for g in made])
+    assert got == [[FACTS, FACTS], [FACTS, FACTS]]
 
 
 def _run_ranks(fns) -> list:
