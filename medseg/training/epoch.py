@@ -62,15 +62,12 @@ def train_steps(run: Run, epoch: int) -> dict[str, Any]:
     }
 
 
-def validate(run: Run, epoch: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The epoch's job numbers and its validation scores (scores when validation is due: every
-    ``train.val_interval`` and the last epoch).
+def score(run: Run, epoch: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """This rank's validation scores (empty when nothing was scored here) and what it sends for its
+    site in the epoch-end message (None without sites or when validation is not due).
 
-    Ranks that validate score their validation cases. With sites, each site's leader scored its own
-    held-out cases; only the scores travel, to every rank, with every rank's epoch numbers
-    (:meth:`~medseg.distributed.session.HorovodSession.finish_epoch`), and every rank pools them
-    the same way (each metric's mean over sites weighted by their validation cases) and keeps each
-    site's own under ``sites``. Scores are empty when nothing was scored here.
+    Scores are taken every ``train.val_interval`` epochs and at the last epoch, by the ranks that
+    validate (with sites, each site's leader on its own held-out cases).
     """
     cfg, session, data = run.cfg, run.session, run.data
     due = epoch % cfg.train.val_interval == 0 or epoch == cfg.train.epochs
@@ -81,9 +78,26 @@ def validate(run: Run, epoch: int) -> tuple[dict[str, Any], dict[str, Any]]:
         scores = run.task.validate(run.model, data.val_loader, run.device)
     session.phase("wait")
     site_scores = {**scores, "val_cases": len(data.val_items)} if cfg.sites and due else None
-    numbers, per_site = session.finish_epoch(site_scores)
-    if per_site is not None:
-        from medseg.distributed.site_data import pool_metrics
+    return scores, site_scores
 
-        scores = {**pool_metrics(per_site), "sites": per_site}
-    return numbers, scores
+
+def pooled(scores: dict[str, Any], per_site: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
+    """The epoch's scores: with sites, every site's pooled (each metric's mean over sites weighted by
+    their validation cases, :func:`~medseg.distributed.site_data.pool_metrics`) with each site's
+    own under ``sites``, the same on every rank; else this rank's own."""
+    if per_site is None:
+        return scores
+    from medseg.distributed.site_data import pool_metrics
+
+    return {**pool_metrics(per_site), "sites": per_site}
+
+
+def validate(run: Run, epoch: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The epoch's job numbers and its scores (:func:`score`, then :func:`pooled`).
+
+    With sites only the scores travel, to every rank, with every rank's epoch numbers
+    (:meth:`~medseg.distributed.session.HorovodSession.finish_epoch`).
+    """
+    scores, site_scores = score(run, epoch)
+    numbers, per_site = run.session.finish_epoch(site_scores)
+    return numbers, pooled(scores, per_site)

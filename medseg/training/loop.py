@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,8 @@ from medseg.errors import MedsegError
 from medseg.training.build import build_run
 from medseg.training.checkpoints import checkpoint_payload, export_best, save_checkpoints
 from medseg.training.data import seed_epoch
-from medseg.training.epoch import train_steps, validate
+from medseg.training.epoch import train_steps
+from medseg.training.epoch_end import EpochEnd, defers
 from medseg.training.history import History, reached_stop_at, stop_due
 from medseg.training.resume import read_resume_state, restore
 from medseg.training.run import Run, RunPaths, TrainResult
@@ -108,49 +109,64 @@ def _train(
 
 
 def _run_epochs(run: Run, history: History, stop: int) -> int:
-    """Train from ``history.start`` up to epoch ``stop`` (or until train.stop_at); the last epoch trained."""
+    """Train from ``history.start`` up to epoch ``stop`` (or until train.stop_at); the last epoch trained.
+
+    An epoch's end message is taken while the next epoch trains where no decision hangs on it
+    (:mod:`~medseg.training.epoch_end`): it is closed once that epoch's steps are done.
+    """
     cfg, session, t = run.cfg, run.session, run.cfg.train
     # the key metric reached train.stop_at: every rank's own decision from the same pooled scores
     # where every rank holds them (agreed), else the chief's, shared at the next epoch's start
     reached, agreed = False, False
     last = min(stop, t.epochs)
-    for epoch in range(history.start, min(stop, t.epochs) + 1):
+    arriving: EpochEnd | None = None  # the previous epoch's end, its message still on the way
+    for epoch in range(history.start, last + 1):
         seed_epoch(run.data, t.seed, epoch, session.rank)
         if session.start_epoch(reached, agreed) and t.stop_at:  # the same decision on every rank
             last = epoch - 1
             break
         record = train_steps(run, epoch)
+        if arriving is not None:  # before end_epoch: its world-group messages come after this one
+            _close_epoch(run, history, arriving)
+            arriving = None
         record.update(session.end_epoch(run.optimizer))
-        sync_marker = session.save_sync_state(
-            run.optimizer, cfg.run_dir, epoch
-        )  # each rank's residuals, locally
-        site_local = session.gather_site_local(
-            run.optimizer
-        )  # local_norm: each site's own norm tensors, on rank 0
-        val_tic = time.perf_counter()
-        numbers, scores = validate(run, epoch)
+        sync_marker = session.save_sync_state(run.optimizer, cfg.run_dir, epoch)  # each rank's residuals
+        site_local = session.gather_site_local(run.optimizer)  # local_norm: each site's tensors, on rank 0
+        chief_saves = (
+            partial(checkpoint_payload, run, history, epoch, sync_marker, site_local)
+            if session.is_chief
+            else None
+        )
+        ending = EpochEnd(run, record, chief_saves, later=defers(run, epoch, last))
         agreed = session.scores_everywhere
-        if not session.is_chief:
-            reached = agreed and stop_due(t, scores.get(run.task.key_metric), epoch)
-            continue  # rank 0 alone writes
-        record.update(numbers)
-        record.update(scores)
-        if scores:
-            record["val_s"] = round(time.perf_counter() - val_tic, 3)
-        record["time"] = round(time.time(), 3)  # wall clock after validation: time-to-accuracy curves
-        record["train_start"] = round(run.train_start, 3)
-        reached = _save_epoch(run, history, record, sync_marker, site_local)
+        if defers(run, epoch, last):
+            arriving = ending  # no stop can follow this epoch: reached stays False
+        else:
+            reached = _close_epoch(run, history, ending)
     return last
 
 
-def _save_epoch(
-    run: Run,
-    history: History,
-    record: dict[str, Any],
-    sync_marker: dict[str, int] | None,
-    site_local: dict[str, Any] | None,
-) -> bool:
-    """The chief's end of an epoch: checkpoints, metrics.jsonl, the plot and the log line.
+def _close_epoch(run: Run, history: History, ending: EpochEnd) -> bool:
+    """Take ``ending``'s message; the chief writes the epoch (:func:`_save_epoch`). Returns whether
+    the key metric reached ``train.stop_at`` (on every rank where every rank holds the scores)."""
+    numbers, scores, arrived_perf, arrived_wall = ending.arrived()
+    session, record = run.session, ending.record
+    if not session.is_chief:
+        metric = scores.get(run.task.key_metric)
+        return session.scores_everywhere and stop_due(run.cfg.train, metric, record["epoch"])
+    record.update(numbers)
+    record.update(scores)
+    if scores:
+        record["val_s"] = round(arrived_perf - ending.val_tic, 3)
+    record["time"] = round(arrived_wall, 3)  # wall clock when the scores were known: time-to-accuracy curves
+    record["train_start"] = round(run.train_start, 3)
+    assert ending.payload is not None
+    return _save_epoch(run, history, record, ending.payload)
+
+
+def _save_epoch(run: Run, history: History, record: dict[str, Any], payload: dict[str, Any]) -> bool:
+    """The chief's end of an epoch: checkpoints (``payload``, with the best epoch so far filled in),
+    metrics.jsonl, the plot and the log line.
 
     Returns whether the key metric reached ``train.stop_at`` (early stopping).
     """
@@ -158,7 +174,7 @@ def _save_epoch(
     run.session.phase("save")
     metric = record.get(task.key_metric)
     is_best = history.note_best(epoch, record, task)
-    payload = checkpoint_payload(run, history, epoch, sync_marker, site_local)
+    payload.update(best_metric=history.best_metric(task.key_metric), best_epoch=history.best_epoch)
     history.records.append(record)
     # metrics.jsonl before last.pt: a chief killed between the two leaves a record newer than the
     # checkpoint, which a resume drops and trains again; the other order would lose the epoch's record

@@ -317,6 +317,28 @@ def test_every_rank_stops_early_at_the_same_epoch_from_the_pooled_scores(tmp_pat
     assert len(barriers) == 1, barriers
 
 
+@pytest.mark.parametrize("min_epochs", [2, 1])
+def test_ranks_start_the_next_epoch_before_its_scores_arrive_unless_a_stop_can_follow(
+    tmp_path: Path, min_epochs: int
+) -> None:
+    """Before train.min_epochs no stop can follow an epoch, so every rank starts the next one without
+    waiting for the epoch's message (scores and numbers): with site b's first validation 6 s slow,
+    site a's first step of epoch 2 comes before epoch 1's scores arrive (its record's time). Where a
+    stop can follow epoch 1 (min_epochs 1), the message comes first. Every epoch is recorded."""
+    _, cfg = _two_sites(tmp_path, local_norm=False, epochs=2)
+    cfg["train"].update({"stop_at": 2.0, "min_epochs": min_epochs})  # a Dice of 2 is never reached
+    proc = _train(tmp_path, cfg, {"MEDSEG_FAULT_SLOW": "validate:1:6"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "runs" / "sites"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert all(set(r["sites"]) == {"a", "b"} and "val_dice" in r for r in records)
+    events = [json.loads(line) for line in (run / "ranks" / "rank-0.jsonl").read_text().splitlines()]
+    epoch2 = next(e["t"] for e in events if e.get("epoch") == 2 and e.get("step") == 0)
+    scores1 = records[0]["time"]
+    assert (epoch2 < scores1) if min_epochs == 2 else (epoch2 > scores1), (epoch2, scores1)
+
+
 @pytest.mark.parametrize("sync", ["gssp", "fedavg"])
 def test_a_site_whose_dataset_differs_stops_the_job_before_training(tmp_path: Path, sync: str) -> None:
     """With or without profiling the ranks (gssp does, fedavg does not), the job stops before any step."""
