@@ -507,9 +507,9 @@ class HorovodSession(LocalSession):
 
         ``agreed``: every rank already holds the decision (``stop``, made by each from the pooled
         scores of :meth:`finish_epoch`, :attr:`scores_everywhere`), so no rank waits for another
-        here: between sites a barrier costs WAN round trips every epoch. Otherwise (the first
-        epoch; rank 0 validating alone) every rank waits for rank 0 (alive, in phase "wait") and
-        its decision rides on the barrier (:meth:`~medseg.distributed.comm.channel.Channel.barrier_with`),
+        here: between sites a barrier costs WAN round trips every epoch (the first one too: no
+        rank holds a stop then). Otherwise (rank 0 validating alone) every rank waits for rank 0
+        (alive, in phase "wait") and its decision rides on the barrier (:meth:`~medseg.distributed.comm.channel.Channel.barrier_with`),
         so that the epoch clocks start together. Without it rank 0 writes its checkpoint while the
         others begin: a rank that needs rank 0 early in the epoch (its site's first step) counts that
         time as waiting in its epoch's numbers.

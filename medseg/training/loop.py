@@ -116,8 +116,10 @@ def _run_epochs(run: Run, history: History, stop: int) -> int:
     """
     cfg, session, t = run.cfg, run.session, run.cfg.train
     # the key metric reached train.stop_at: every rank's own decision from the same pooled scores
-    # where every rank holds them (agreed), else the chief's, shared at the next epoch's start
-    reached, agreed = False, False
+    # where every rank holds them (agreed), else the chief's, shared at the next epoch's start;
+    # before the first epoch every rank holds the same one (no stop), but without sites rank 0's
+    # barrier also starts the epoch clocks together (HorovodSession.start_epoch)
+    reached, agreed = False, session.scores_everywhere and bool(cfg.sites)
     last = min(stop, t.epochs)
     arriving: EpochEnd | None = None  # the previous epoch's end, its message still on the way
     for epoch in range(history.start, last + 1):
