@@ -23,8 +23,8 @@ from medseg.distributed.background import InBackground
 from medseg.training.epoch import pooled, score
 from medseg.training.run import Run
 
-# the job's numbers, every site's scores by site, when they arrived (perf counter, wall clock)
-Arrived = tuple[dict[str, Any], dict[str, dict[str, Any]] | None, float, float]
+# the job's numbers, every site's scores by site, when they arrived (wall clock)
+Arrived = tuple[dict[str, Any], dict[str, dict[str, Any]] | None, float]
 
 
 def may_stop_after(t: TrainConfig, epoch: int) -> bool:
@@ -42,14 +42,15 @@ def defers(run: Run, epoch: int, last: int) -> bool:
 
 def _exchange(run: Run, site_scores: dict[str, Any] | None) -> Arrived:
     numbers, per_site = run.session.finish_epoch(site_scores)
-    return numbers, per_site, time.perf_counter(), time.time()
+    return numbers, per_site, time.time()
 
 
 class EpochEnd:
     """One epoch's scores, on the chief its checkpoint contents made after validation (``payload``
     from ``checkpoint``; copied when the message is taken later, since the next epoch changes the
-    model), and its message (taken now, or on a thread with ``later``). ``val_tic``: when
-    validation began (perf counter)."""
+    model), and its message (taken now, or on a thread with ``later``). ``val_s``: the seconds
+    from the start of validation until this rank trains again (without the message's wait where
+    it is taken later: those seconds are the next epoch's training)."""
 
     def __init__(
         self,
@@ -64,9 +65,11 @@ class EpochEnd:
         self.payload = copy.deepcopy(payload) if later else payload
         self._later = InBackground(_exchange, run, site_scores) if later else None
         self._now = None if later else _exchange(run, site_scores)
+        # the seconds before this rank trains again: validation and, unless taken later, the message
+        self.val_s = time.perf_counter() - self.val_tic
 
-    def arrived(self) -> tuple[dict[str, Any], dict[str, Any], float, float]:
-        """The job's numbers, the pooled scores, and when the message arrived (perf counter, wall
-        clock); raises the message's error in the caller's thread."""
-        numbers, per_site, perf, wall = self._later.result() if self._later is not None else self._now
-        return numbers, pooled(self.scores, per_site), perf, wall
+    def arrived(self) -> tuple[dict[str, Any], dict[str, Any], float]:
+        """The job's numbers, the pooled scores, and when the message arrived (wall clock); raises
+        the message's error in the caller's thread."""
+        numbers, per_site, wall = self._later.result() if self._later is not None else self._now
+        return numbers, pooled(self.scores, per_site), wall

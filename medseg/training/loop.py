@@ -151,7 +151,7 @@ def _run_epochs(run: Run, history: History, stop: int) -> int:
 def _close_epoch(run: Run, history: History, ending: EpochEnd) -> bool:
     """Take ``ending``'s message; the chief writes the epoch (:func:`_save_epoch`). Returns whether
     the key metric reached ``train.stop_at`` (on every rank where every rank holds the scores)."""
-    numbers, scores, arrived_perf, arrived_wall = ending.arrived()
+    numbers, scores, arrived_wall = ending.arrived()
     session, record = run.session, ending.record
     if not session.is_chief:
         metric = scores.get(run.task.key_metric)
@@ -159,7 +159,7 @@ def _close_epoch(run: Run, history: History, ending: EpochEnd) -> bool:
     record.update(numbers)
     record.update(scores)
     if scores:
-        record["val_s"] = round(arrived_perf - ending.val_tic, 3)
+        record["val_s"] = round(ending.val_s, 3)  # not training: left out of training-time curves
     record["time"] = round(arrived_wall, 3)  # wall clock when the scores were known: time-to-accuracy curves
     record["train_start"] = round(run.train_start, 3)
     assert ending.payload is not None
