@@ -166,17 +166,30 @@ def _udp_batch(
 
 
 def scan_udp(
-    netns: str, addr: str, ports: Iterable[int], batch: int = 256, quiet: float = 0.5, timeout: float = 3.0
+    netns: str,
+    addr: str,
+    ports: Iterable[int],
+    batch: int = 256,
+    quiet: float = 0.5,
+    timeout: float = 3.0,
+    retries: int = 2,
 ) -> dict[str, list[int]]:
     """A UDP scan of ``addr`` from ``netns``: ports ``closed`` (ICMP port unreachable), ``answered``
     (a datagram came back) and ``silent`` (open, or filtered: WireGuard answers nothing to a stranger).
-    Lift the target's ICMP rate limit first (:func:`allow_icmp_errors`), or closed ports look silent."""
+    Lift the target's ICMP rate limit first (:func:`allow_icmp_errors`), or closed ports look silent.
+    As nmap does, a silent port is probed again, up to ``retries`` more times, before it is called
+    silent: a datagram or its ICMP answer can be lost (a batch of 256 at once through a slow link's
+    queue), which is no answer from the port."""
     ports = sorted(set(ports))
     out: dict[str, list[int]] = {"closed": [], "answered": [], "silent": []}
 
     def work() -> None:
         for chunk in _batches(ports, batch):
             _udp_batch(addr, chunk, quiet, timeout, out)
+        for _ in range(retries):
+            again, out["silent"] = out["silent"], []
+            for chunk in _batches(sorted(again), batch):
+                _udp_batch(addr, chunk, quiet, timeout, out)
 
     call_in(netns, work)
     return {k: sorted(v) for k, v in out.items()}
