@@ -139,9 +139,10 @@ def _run_epochs(run: Run, history: History, stop: int) -> int:
             if session.is_chief
             else None
         )
-        ending = EpochEnd(run, record, chief_saves, later=defers(run, epoch, last))
+        later = defers(run, epoch, last)
+        ending = EpochEnd(run, record, chief_saves, later=later)
         agreed = session.scores_everywhere
-        if defers(run, epoch, last):
+        if later:
             arriving = ending  # no stop can follow this epoch: reached stays False
         else:
             reached = _close_epoch(run, history, ending)
