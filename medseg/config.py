@@ -68,6 +68,11 @@ class TransformConfig:
     # intensity scale/shift; nnunet = nnU-Net's default recipe in MONAI transforms (rotation, scaling,
     # noise, blur, brightness, contrast, low resolution, gamma, mirroring)
     augment_recipe: Literal["light", "nnunet"] = "light"
+    flip_axes: list[int] = field(default_factory=lambda: [0, 1, 2])  # axes (RAS) a recipe may mirror
+    # voxels of extra padding on each side before the patch is cropped, so that a patch centred on a
+    # foreground voxel holds the object anywhere within +-shift of where a tight crop would put it
+    # (nnU-Net's random placement); 0: the case is padded to the patch only
+    shift: int = 0
     normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
     # classification: what the network sees. centre: the volume padded or cropped about its centre to
     # ``patch``; object: the bounding box of the image's object (Otsu threshold of a smoothed copy),
@@ -90,6 +95,8 @@ class ModelConfig:
     # dynunet: extra decoder heads trained with deep supervision (nnU-Net's; 0 = off); each head's
     # Dice-CE counts 1/2, 1/4, ... of the main output's (MONAI's DeepSupervisionLoss, weight_mode exp)
     deep_supervision: int = 0
+    # dynunet: features per level, one per level of its plan; [] = MONAI's (nnU-Net's) 32, 64, 128, 256, 320...
+    filters: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -340,6 +347,12 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"{key}: expected three positive numbers, got {vals}")
     if len(t.window) != 2 or t.window[0] >= t.window[1]:
         raise ConfigError(f"transforms.window: expected [low, high] with low < high, got {t.window}")
+    if len(set(t.flip_axes)) != len(t.flip_axes) or not set(t.flip_axes) <= {0, 1, 2}:
+        raise ConfigError(
+            f"transforms.flip_axes: expected distinct spatial axes among 0, 1, 2, got {t.flip_axes}"
+        )
+    if t.shift < 0:
+        raise ConfigError(f"transforms.shift: expected voxels >= 0, got {t.shift}")
     n = t.normalize
     if n.scheme == "ct":
         if len(n.clip) != 2 or n.clip[0] >= n.clip[1]:

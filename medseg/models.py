@@ -65,6 +65,17 @@ def _deep_supervision(heads: int, levels: int) -> dict[str, Any]:
     return {"deep_supervision": True, "deep_supr_num": heads}
 
 
+def _filters(filters: list[int], levels: int) -> dict[str, Any]:
+    """DynUNet's ``filters`` argument: one width per level of its plan (none given: MONAI's default)."""
+    if not filters:
+        return {}
+    if len(filters) != levels or any(f < 1 for f in filters):
+        raise ConfigError(
+            f"model.filters: this patch gives dynunet {levels} levels, so {levels} positive widths, got {filters}"
+        )
+    return {"filters": list(filters)}
+
+
 def network_def(cfg: Config, out_channels: int, in_channels: int = 1) -> dict[str, Any]:
     """The MONAI bundle ``network_def`` for ``cfg.model``."""
     m = cfg.model
@@ -104,6 +115,7 @@ def network_def(cfg: Config, out_channels: int, in_channels: int = 1) -> dict[st
             "norm_name": norm,
             "dropout": m.dropout or None,
             **_deep_supervision(m.deep_supervision, len(strides)),
+            **_filters(m.filters, len(strides)),
         }
     if m.name == "swinunetr":
         return {

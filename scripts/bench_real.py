@@ -53,12 +53,24 @@ VARIANTS = {
     # nnU-Net's network (DynUNet, 32-320 features, its kernel/stride rule) without and with deep supervision
     "dynunet": ["model.name=dynunet"],
     "dynunet-ds": ["model.name=dynunet", "model.deep_supervision=2"],
+    # the plan's UNet with a full-resolution level first (MONAI's UNet otherwise halves the patch in its
+    # first convolution), mirrored left-right only (the hippocampus's anterior-posterior axis is not
+    # symmetric), and the object placed anywhere within 8 voxels of where a tight crop would put it
+    "fullres": ["model.channels=[16,16,32,64,128]", "model.strides=[1,2,2,2]", "transforms.flip_axes=[0]"],
+    "fullres-shift": [
+        "model.channels=[16,16,32,64,128]",
+        "model.strides=[1,2,2,2]",
+        "transforms.flip_axes=[0]",
+        "transforms.shift=8",
+    ],
 }
-#: inference-time variants: overrides given to ``medseg evaluate``
+#: inference-time variants: overrides given to ``medseg evaluate``; ``{flips}`` is the axes the run
+#: was trained to see mirrored (its ``transforms.flip_axes``): mirroring an axis the network never saw
+#: flipped (the hippocampus's anterior-posterior axis, say) swaps what it calls anterior and posterior
 EVALS = {
     "as-trained": [],
-    "mirror": ["infer.mirror=[0,1,2]"],
-    "mirror-lcc": ["infer.mirror=[0,1,2]", "infer.keep_largest=true"],
+    "mirror": ["infer.mirror={flips}"],
+    "mirror-lcc": ["infer.mirror={flips}", "infer.keep_largest=true"],
 }
 
 
@@ -94,8 +106,13 @@ def cpu_run(cmd: list[str], log: Path) -> float:
 
 def evaluate_medseg(run: Path, held_dir: Path, log: Path) -> dict:
     """Held-out Dice of ``run`` under each of ``EVALS``, and the CPU seconds each evaluation took."""
+    from medseg.config import load_config
+
+    trained = load_config(run / "config.yaml").transforms
+    flips = "[" + ",".join(str(a) for a in (trained.flip_axes if trained.augment else [])) + "]"
     out = {}
-    for name, overrides in EVALS.items():
+    for name, templates in EVALS.items():
+        overrides = [o.format(flips=flips) for o in templates]
         cpu = cpu_run(
             [
                 str(MEDSEG),

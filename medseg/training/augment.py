@@ -26,11 +26,11 @@ from monai import transforms as mt
 ROTATION = math.radians(30.0)
 
 
-def light(keys: list[str], image: str = "image") -> list[mt.Transform]:
+def light(
+    keys: list[str], image: str = "image", flip_axes: tuple[int, ...] = (0, 1, 2)
+) -> list[mt.Transform]:
     return [
-        mt.RandFlipd(keys, prob=0.2, spatial_axis=0),
-        mt.RandFlipd(keys, prob=0.2, spatial_axis=1),
-        mt.RandFlipd(keys, prob=0.2, spatial_axis=2),
+        *(mt.RandFlipd(keys, prob=0.2, spatial_axis=axis) for axis in flip_axes),
         mt.RandScaleIntensityd(image, factors=0.1, prob=0.5),
         mt.RandShiftIntensityd(image, offsets=0.05, prob=0.5),
     ]
@@ -56,14 +56,20 @@ def _intensity(image: str) -> list[mt.Transform]:
     ]
 
 
-def nnunet(keys: list[str], image: str = "image") -> list[mt.Transform]:
+def nnunet(
+    keys: list[str], image: str = "image", flip_axes: tuple[int, ...] = (0, 1, 2)
+) -> list[mt.Transform]:
     return [
         *_spatial(keys),
         *_intensity(image),
-        *(mt.RandFlipd(keys, prob=0.5, spatial_axis=axis) for axis in range(3)),
+        *(mt.RandFlipd(keys, prob=0.5, spatial_axis=axis) for axis in flip_axes),
     ]
 
 
-def recipe(name: str, keys: list[str], image: str = "image") -> list[mt.Transform]:
-    """The random transforms of ``transforms.augment_recipe`` (see the module docstring)."""
-    return nnunet(keys, image) if name == "nnunet" else light(keys, image)
+def recipe(
+    name: str, keys: list[str], image: str = "image", flip_axes: tuple[int, ...] = (0, 1, 2)
+) -> list[mt.Transform]:
+    """The random transforms of ``transforms.augment_recipe`` (see the module docstring), mirroring
+    only the axes in ``flip_axes`` (``transforms.flip_axes``)."""
+    build = nnunet if name == "nnunet" else light
+    return build(keys, image, tuple(flip_axes))

@@ -188,7 +188,7 @@ def seg_train(cfg: Config) -> mt.Compose:
     if t.crop_foreground:
         chain.append(mt.CropForegroundd(keys, source_key="image", select_fn=body(cfg), allow_smaller=True))
     chain += [
-        mt.SpatialPadd(keys, spatial_size=t.patch),
+        mt.SpatialPadd(keys, spatial_size=[n + 2 * t.shift for n in t.patch]),
         mt.EnsureTyped(keys, track_meta=True),
         # Everything above is deterministic and cached; everything below is drawn anew each epoch.
         mt.RandCropByPosNegLabeld(
@@ -205,7 +205,7 @@ def seg_train(cfg: Config) -> mt.Compose:
         ),
     ]
     if t.augment:
-        chain += augment.recipe(t.augment_recipe, keys)
+        chain += augment.recipe(t.augment_recipe, keys, flip_axes=t.flip_axes)
     return mt.Compose(chain)
 
 

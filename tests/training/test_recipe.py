@@ -151,3 +151,75 @@ def test_deep_supervision_is_refused_where_it_cannot_run(tmp_path: Path) -> None
         config_from_dict(_dynunet_raw(tmp_path, heads=1, name="unet"))
     with pytest.raises(ConfigError, match="at most"):
         network_def(config_from_dict(_dynunet_raw(tmp_path, heads=9)), 2)
+
+
+def _ramp_patch() -> dict:
+    """A patch whose image and label rise along every axis: a mirrored axis makes that axis fall."""
+    grid = torch.stack(torch.meshgrid(*(torch.arange(8.0),) * 3, indexing="ij")).sum(0)[None]
+    return {"image": grid.clone(), "label": grid.clone()}
+
+
+@pytest.mark.parametrize("recipe", ["light", "nnunet"])
+def test_only_the_flip_axes_are_ever_mirrored(recipe: str) -> None:
+    from monai.transforms import Compose
+
+    from medseg.training.augment import recipe as make_recipe
+
+    def mirrored(flip_axes: tuple[int, ...]) -> set[int]:
+        flips = Compose([t for t in make_recipe(recipe, ["label"], flip_axes=flip_axes)])
+        flips.set_random_state(seed=0)
+        seen: set[int] = set()
+        for _ in range(60):
+            label = torch.as_tensor(flips(_ramp_patch())["label"])[0]
+            seen |= {a for a in range(3) if (label.diff(dim=a) < 0).float().mean() > 0.5}
+        return seen
+
+    assert mirrored((0,)) == {0}
+    assert mirrored(()) == set()
+    assert mirrored((0, 1, 2)) == {0, 1, 2}
+
+
+def test_flip_axes_and_shift_are_checked(tmp_path: Path) -> None:
+    raw = tiny_seg_config(tmp_path, tmp_path).to_dict()
+    for bad in ({"flip_axes": [0, 3]}, {"flip_axes": [1, 1]}, {"shift": -1}):
+        with pytest.raises(ConfigError, match=f"transforms.{next(iter(bad))}"):
+            config_from_dict({**raw, "transforms": {**raw["transforms"], **bad}})
+
+
+def _label_centres(cfg, item: dict, draws: int) -> np.ndarray:
+    chain = tf.seg_train(cfg)
+    chain.set_random_state(seed=0)
+    centres = []
+    for _ in range(draws):
+        for sample in chain(item):
+            assert tuple(sample["label"].shape[1:]) == tuple(cfg.transforms.patch)
+            centres.append(ndimage.center_of_mass(np.asarray(sample["label"][0]) > 0))
+    return np.array(centres)
+
+
+def test_shift_places_a_small_case_anywhere_within_its_margin(seg_data: Path, tmp_path: Path) -> None:
+    """A case smaller than the patch, padded to the patch alone, always sits at the same place in it;
+    with ``transforms.shift`` s it moves, by at most s voxels each way along each axis."""
+    cfg = tiny_seg_config(seg_data, tmp_path)
+    cfg.transforms.augment = False
+    cfg.transforms.patch = [64, 64, 64]  # larger than every case at the tiny config's spacing
+    _, items, _ = read_dataset(cfg)
+    fixed = _label_centres(cfg, items[0], 5)
+    np.testing.assert_allclose(fixed, np.broadcast_to(fixed[0], fixed.shape))
+    cfg.transforms.shift = 4
+    moved = _label_centres(cfg, items[0], 10) - fixed[0]
+    assert (np.ptp(moved, axis=0) > 1).all()  # moved along every axis
+    assert (np.abs(moved) <= 4 + 1e-6).all()
+
+
+def test_dynunet_takes_one_width_per_level(tmp_path: Path) -> None:
+    from medseg.models import build_network, network_def
+
+    raw = _dynunet_raw(tmp_path, heads=0)
+    raw["model"]["filters"] = [8, 16, 24, 32]  # a 32^3 patch at the tiny spacing: 4 levels
+    net = build_network(network_def(config_from_dict(raw), 2))
+    assert list(net.filters) == [8, 16, 24, 32]
+    assert net.input_block.conv1.conv.out_channels == 8  # the full-resolution level's width
+    raw["model"]["filters"] = [8, 16]
+    with pytest.raises(ConfigError, match="model.filters"):
+        network_def(config_from_dict(raw), 2)
