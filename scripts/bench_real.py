@@ -57,13 +57,8 @@ VARIANTS = {
     # first convolution), mirrored left-right only (the hippocampus's anterior-posterior axis is not
     # symmetric), and the object placed anywhere within 8 voxels of where a tight crop would put it
     "fullres": ["model.channels=[16,16,32,64,128]", "model.strides=[1,2,2,2]", "transforms.flip_axes=[0]"],
-    "fullres-shift": [
-        "model.channels=[16,16,32,64,128]",
-        "model.strides=[1,2,2,2]",
-        "transforms.flip_axes=[0]",
-        "transforms.shift=8",
-    ],
 }
+VARIANTS["fullres-shift"] = [*VARIANTS["fullres"], "transforms.shift=8"]
 #: inference-time variants: overrides given to ``medseg evaluate``; ``{flips}`` is the axes the run
 #: was trained to see mirrored (its ``transforms.flip_axes``): mirroring an axis the network never saw
 #: flipped (the hippocampus's anterior-posterior axis, say) swaps what it calls anterior and posterior
