@@ -73,3 +73,10 @@ class EpochEnd:
         the message's error in the caller's thread."""
         numbers, per_site, wall = self._later.result() if self._later is not None else self._now
         return numbers, pooled(self.scores, per_site), wall
+
+    def arrives_within(self, timeout_s: float) -> bool:
+        """Whether the message has arrived without error, after waiting at most ``timeout_s``:
+        taken now it always has; taken later, its thread may still wait on a peer that failed."""
+        if self._later is None:
+            return True
+        return self._later.wait(timeout_s) and self._later.failed() is None

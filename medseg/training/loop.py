@@ -127,7 +127,11 @@ def _run_epochs(run: Run, history: History, stop: int) -> int:
         if session.start_epoch(reached, agreed) and t.stop_at:  # the same decision on every rank
             last = epoch - 1
             break
-        record = train_steps(run, epoch)
+        try:
+            record = train_steps(run, epoch)
+        except Exception:
+            _keep_finished_epoch(run, history, arriving)
+            raise
         if arriving is not None:  # before end_epoch: its world-group messages come after this one
             _close_epoch(run, history, arriving)
             arriving = None
@@ -147,6 +151,19 @@ def _run_epochs(run: Run, history: History, stop: int) -> int:
         else:
             reached = _close_epoch(run, history, ending)
     return last
+
+
+# how long a failing epoch waits for the previous epoch's message before giving that epoch up
+FINISHED_EPOCH_WAIT_S = 30.0
+
+
+def _keep_finished_epoch(run: Run, history: History, arriving: EpochEnd | None) -> None:
+    """An epoch failed while the previous one's message was still being taken: write that finished
+    epoch (record and checkpoint, made before the failing epoch began) if its message arrives
+    within :data:`FINISHED_EPOCH_WAIT_S`, so that a resume or restart starts after it. A message
+    that fails or does not come (a peer is gone) loses only that epoch; the failure is raised."""
+    if arriving is not None and arriving.arrives_within(FINISHED_EPOCH_WAIT_S):
+        _close_epoch(run, history, arriving)
 
 
 def _close_epoch(run: Run, history: History, ending: EpochEnd) -> bool:
