@@ -242,7 +242,7 @@ def measure(
     model, forward = prepare(net, variant, patch, device, width, classes, net_def)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4)
-    loss_fn = _loss(variant)
+    loss_fn = _loss(variant, deep_supervision=bool(net_def and net_def.get("deep_supervision")))
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 1, *shape, generator=gen).to(device)
     y = labels_like(batch, shape, classes, gen).to(device)
@@ -284,15 +284,21 @@ def measure(
     }
 
 
-def _loss(variant: str) -> Callable:
-    """The fused Dice+CE loss for ``fused``; MONAI's ``DiceCELoss`` for the other variants."""
+def _loss(variant: str, deep_supervision: bool = False) -> Callable:
+    """The fused Dice+CE loss for ``fused``; MONAI's ``DiceCELoss`` for the other variants. With
+    ``deep_supervision`` (a DynUNet that stacks its main output and heads on dim 1), MONAI's
+    ``DeepSupervisionLoss`` over the unbound outputs, as ``medseg train`` computes it."""
     if variant == "fused":
         from medseg.kernels.loss import FusedDiceCELoss
 
         return FusedDiceCELoss()
-    from monai.losses import DiceCELoss
+    from monai.losses import DeepSupervisionLoss, DiceCELoss
 
-    return DiceCELoss(to_onehot_y=True, softmax=True)
+    dice_ce = DiceCELoss(to_onehot_y=True, softmax=True)
+    if not deep_supervision:
+        return dice_ce
+    stacked = DeepSupervisionLoss(dice_ce, weight_mode="exp")
+    return lambda out, y: stacked(list(torch.unbind(out, dim=1)), y)
 
 
 def _network_forward(model: nn.Module, forward: Callable, head_fused: bool) -> Callable:

@@ -59,6 +59,19 @@ VARIANTS = {
     "fullres": ["model.channels=[16,16,32,64,128]", "model.strides=[1,2,2,2]", "transforms.flip_axes=[0]"],
 }
 VARIANTS["fullres-shift"] = [*VARIANTS["fullres"], "transforms.shift=8"]
+# nnU-Net's network thinned to the plan's widths: DynUNet (two convolutions per level, full resolution
+# first) at 16-128 features, with two deep-supervision heads, mirrored left-right only
+VARIANTS["dynunet-thin-ds"] = [
+    "model.name=dynunet", "model.filters=[16,32,64,128]", "model.deep_supervision=2", "transforms.flip_axes=[0]"
+]  # fmt: skip
+# fullres-shift trained on all 160 cases: no validation split, the last epoch is the model (as
+# nnU-Net's final checkpoint), so nothing is selected on any case
+VARIANTS["fullres-shift-all"] = [*VARIANTS["fullres-shift"], "data.val_fraction=0"]
+VARIANTS["dynunet-thin-ds-shift-all"] = [
+    *VARIANTS["dynunet-thin-ds"],
+    "transforms.shift=8",
+    "data.val_fraction=0",
+]
 #: inference-time variants: overrides given to ``medseg evaluate``; ``{flips}`` is the axes the run
 #: was trained to see mirrored (its ``transforms.flip_axes``): mirroring an axis the network never saw
 #: flipped (the hippocampus's anterior-posterior axis, say) swaps what it calls anterior and posterior
@@ -87,9 +100,9 @@ def append(path: Path, entry: dict) -> None:
     print(json.dumps(entry), flush=True)
 
 
-def folders(source: Path, work: Path, seed: int) -> tuple[Split, Path, Path]:
+def folders(source: Path, work: Path, seed: int, val_fraction: float = 0.2) -> tuple[Split, Path, Path]:
     """The split of ``seed`` and its training (train + val) and held-out folders under ``work``."""
-    split = make_split(source, held_out=40, seed=seed)
+    split = make_split(source, held_out=40, seed=seed, val_fraction=val_fraction)
     train_dir = link_folder(source, work / "data" / "train160", sorted(split.train + split.val))
     held_dir = link_folder(source, work / "data" / "heldout40", split.held_out)
     return split, train_dir, held_dir
@@ -134,7 +147,10 @@ def evaluate_medseg(run: Path, held_dir: Path, log: Path) -> dict:
 def medseg_one(
     source: Path, work: Path, budget_min: float, seed: int, variant: str, epochs: int | None
 ) -> dict:
-    split, train_dir, held_dir = folders(source, work, seed)
+    val_fraction = next(
+        (float(o.split("=", 1)[1]) for o in VARIANTS[variant] if o.startswith("data.val_fraction=")), 0.2
+    )
+    split, train_dir, held_dir = folders(source, work, seed, val_fraction)
     name = f"real-{variant}-{budget_min:g}min-s{seed}" + (f"-{epochs}ep" if epochs else "")
     cfg, log = work / f"real-plan-{budget_min:g}min.yaml", work / f"{name}.log"
     log.unlink(missing_ok=True)

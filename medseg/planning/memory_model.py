@@ -239,12 +239,11 @@ class MemoryModels:
         self.models: dict[str, MemoryModel] = {}
         self.params: dict[str, int] = {}
         self.runs = 0  # probe processes started
-        self.full_res = False  # UNet: the topologies met from now on have a full-resolution level
 
     def net_def(self, patch: list[int], spacing: list[float]) -> dict[str, Any]:
         from medseg.models import network_def
 
-        model, _ = model_section(self.net, self.device, patch, spacing, self.full_res)
+        model, _ = model_section(self.net, self.device, patch, spacing)
         return network_def(config_at(self.base, patch, model), out_channels=self.classes)
 
     def count_params(self, nd: dict[str, Any]) -> int:

@@ -35,11 +35,11 @@ from medseg.planning.rules import (
     DEMO_PATCH,
     DEMO_SAMPLES,
     DEMO_STEPS,
-    FULL_RES_STEPS,
     GB,
     MAX_BATCH_SHARE,
     MIN_COVER,
     SAFETY,
+    THIN_DYNUNET_STEPS,
     TRAIN_SHARE,
     classification_model,
     coarser,
@@ -107,7 +107,7 @@ class PatchFit:
     spacing: list[float]
     coarsened: bool
     notes: list[str]
-    full_res: bool = False  # the UNet has a full-resolution level (rules, 3.)
+    net: str = ""  # the planned network, where a time budget changed it (rules, 3.)
 
 
 def plan(
@@ -201,14 +201,15 @@ def _plan_segmentation(
         base["transforms"]["spacing"] = [round(s, 4) for s in fit.spacing]
     median_shape = median_at(fp, fit.spacing)
     batch = _batch(fit, budget, fp["num_cases"] * math.prod(median_shape))
-    fit, full_res_why = _full_resolution(fit, batch, budget, models, net, device)
+    fit, net_why = _thin_dynunet(fit, batch, budget, models, net, device)
+    net = fit.net or net
     cases, samples = split_batch(batch)
     if budget.fill and budget.time_s:
         budget.steps = max(
             budget.steps, int(TRAIN_SHARE * budget.time_s / fit.memory.step_s(batch * math.prod(fit.patch)))
         )
     epochs, spe = epochs_for(budget.steps, n_train, cases)
-    model, model_why = model_section(net, device, fit.patch, fit.spacing, fit.full_res)
+    model, model_why = model_section(net, device, fit.patch, fit.spacing)
     cfg = _segmentation_config(base, fit.patch, samples, model, epochs, cases, fused)
     mm, params, vox = fit.memory, fit.params, batch * math.prod(fit.patch)
     cover = math.prod(fit.patch) / math.prod(median_shape)
@@ -216,7 +217,7 @@ def _plan_segmentation(
         f"largest patch within {SAFETY:.0%} of the budget ({_budget_text(budget)}); bound by "
         f"{fit.bound}; sees {cover:.0%} of the median image {' x '.join(f'{m:.0f}' for m in median_shape)} at this spacing"
     )
-    comments["model"] = model_why + f"; {params / 1e6:.2f} M parameters" + full_res_why
+    comments["model"] = model_why + f"; {params / 1e6:.2f} M parameters" + net_why
     comments["train.batch_size"] = (
         f"{cases} case(s) x {samples} patches (transforms.num_samples) = {batch} patches per step: 2, raised "
         "while memory and time allow and a batch is at most 5% of the dataset's voxels"
@@ -245,27 +246,35 @@ def _plan_segmentation(
     )
 
 
-def _full_resolution(
+def _thin_dynunet(
     fit: PatchFit, batch: int, budget: Budget, models: MemoryModels, net: str, device: str
 ) -> tuple[PatchFit, str]:
-    """``fit`` with the UNet's full-resolution level (rules, 3.) where a ``--time-s`` budget (without
-    ``--steps``) trains that network for at least ``FULL_RES_STEPS`` steps of ``batch`` patches at the
-    fitted patch and it fits the memory budget (its topology measured now); else ``fit`` as it is.
-    Also the choice's reason, for the plan's comment."""
+    """``fit`` with the thin DynUNet (rules, 3.) in place of the CPU's small UNet where a ``--time-s``
+    budget (without ``--steps``) trains it for at least ``THIN_DYNUNET_STEPS`` steps of ``batch``
+    patches at the fitted patch and it fits the memory budget (its topology measured now); else
+    ``fit`` as it is. Also the choice's reason, for the plan's comment."""
     if not (budget.fill and budget.time_s and net == "unet" and device == "cpu"):
         return fit, ""
-    models.full_res = True
-    mm, params = models.get(fit.patch, fit.spacing)
+    thin = MemoryModels(
+        models.base, "dynunet-thin", device, models.classes, models.variant == "fused",
+        models.cpu_time, models.timed, models.data_k,
+    )  # fmt: skip
+    try:
+        mm, params = thin.get(fit.patch, fit.spacing)
+    except ConfigError as e:  # the UNet's patch does not halve evenly by nnU-Net's rule
+        return fit, f"; no thin DynUNet at this patch ({e})"
+    finally:
+        models.runs += thin.runs
+        models.models.update(thin.models)
     vox = batch * math.prod(fit.patch)
     steps = int(TRAIN_SHARE * budget.time_s / mm.step_s(vox))
     why = (
-        f"; with a full-resolution level the budget trains {steps} steps at {mm.step_s(vox):.3f} s"
-        f" (it is added from {FULL_RES_STEPS})"
+        f"; the budget trains a thin DynUNet for {steps} steps at {mm.step_s(vox):.3f} s"
+        f" (it is chosen from {THIN_DYNUNET_STEPS})"
     )
-    if steps >= FULL_RES_STEPS and mm.total(params, vox) <= SAFETY * budget.bytes:
-        return replace(fit, params=params, memory=mm, full_res=True), why
-    models.full_res = False
-    return fit, why + ", so it is not"
+    if steps >= THIN_DYNUNET_STEPS and mm.total(params, vox) <= SAFETY * budget.bytes:
+        return replace(fit, params=params, memory=mm, net="dynunet-thin"), why
+    return fit, why + ", so the UNet stays"
 
 
 def _time_per_step(budget: Budget, base: dict[str, Any], classes: int, device: str) -> None:

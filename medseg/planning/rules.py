@@ -13,13 +13,15 @@
    :func:`medseg.models.dynunet_plan`; filters 32 doubling to 320), UNet (channels from a base width
    doubling per level, capped at 320; as many stride-2 levels as keep every axis >= 4 voxels) or
    SegResNet (MONAI's 4 stages). Default: DynUNet on CUDA, a small UNet on CPU. The patch is a
-   multiple of the network's divisor on every axis. MONAI's UNet halves the patch in its first
-   convolution; on CPU under ``--time-s`` the UNet gains a first level at full resolution (stride 1,
-   the base width) when the budget trains it for at least ``FULL_RES_STEPS`` steps at the fitted
-   patch and batch: on Task04_Hippocampus that level gave +0.012 mean Dice at 31 epochs and its
-   validation Dice levelled after about 1,700 steps, while the plain UNet levels after about 1,200
-   at a lower Dice (docs/benchmarks.md, "A full-resolution level"), so a shorter budget buys more
-   with the plain network's cheaper steps.
+   multiple of the network's divisor on every axis. On CPU under ``--time-s`` the plan trades the
+   small UNet for a *thin DynUNet* (nnU-Net's topology: two convolutions per level, the first level
+   at full resolution; filters 16 doubling, capped at 320; two deep-supervision heads) when the
+   budget trains that network for at least ``THIN_DYNUNET_STEPS`` steps at the fitted patch and
+   batch (its topology probed for the step time and memory like any other). MONAI's UNet halves the
+   patch in its first convolution; on Task04_Hippocampus the thin DynUNet reached in 26 CPU minutes
+   the held-out Dice that the UNet with a full-resolution level reached in 58, and more than the
+   plain UNet at any budget (docs/benchmarks.md, "The thin DynUNet"). Below that many steps its
+   dearer steps (about twice the plain UNet's) buy less than the plain network's.
 4. **Batch and epochs**: the batch is 2 patches, raised while the memory and the time allow and
    while one batch holds at most 5% of the dataset's voxels. It is held as ``train.batch_size``
    cases times ``transforms.num_samples`` patches drawn from each; the epochs are the planned
@@ -48,7 +50,9 @@ MIN_COVER = 0.25  # nnU-Net: the patch should see at least a quarter of a median
 DEFAULT_STEPS = {"cpu": 1000, "cuda": 25000}  # training steps of the planned batch (patches per step)
 NUM_SAMPLES = 4  # at most this many patches drawn per cached volume per step (as the demo)
 MAX_BATCH_SHARE = 0.05  # one batch holds at most this share of the dataset's voxels
-FULL_RES_STEPS = 2000  # a time budget adds the UNet's full-resolution level when it trains this many steps
+THIN_DYNUNET_STEPS = (
+    450  # a CPU time budget plans the thin DynUNet (rules, 3.) when it trains this many steps
+)
 # The demo's segmentation training (configs/demo-seg.yaml; tests/planning/test_plan.py checks they agree): on
 # --device cpu without --time-s, a plan may cost at most what the demo's DEMO_STEPS steps of
 # DEMO_BATCH cases x DEMO_SAMPLES patches cost (80 epochs of ceil(13 / 4) steps on its 13 training
@@ -139,25 +143,27 @@ def _levels(patch: list[int], max_levels: int) -> int:
 
 
 def model_section(
-    net: str, device: str, patch: list[int], spacing: list[float], full_res: bool = False
+    net: str, device: str, patch: list[int], spacing: list[float]
 ) -> tuple[dict[str, Any], str]:
-    """The ``model`` mapping for ``net`` at ``patch`` and why; ``full_res`` (UNet only) puts a level
-    at stride 1 and the base width before the stride-2 levels (rule 3)."""
+    """The ``model`` mapping for ``net`` at ``patch`` and why; ``dynunet-thin`` is the planner's
+    name for the thin DynUNet with deep supervision (rule 3)."""
     small = device == "cpu"
     if net == "unet":
         base, cap = (16, 3) if small else (32, 4)
         n = max(_levels(patch, cap), 1)
-        channels = [min(base * 2**i, 320) for i in range(n + 1)]
-        strides = [2] * n
-        if full_res:
-            channels, strides = [base, *channels], [1, *strides]
         return (
-            {"name": "unet", "channels": channels, "strides": strides, "num_res_units": 1 if small else 2},
-            ("UNet: a full-resolution level (stride 1), then " if full_res else "UNet: ")
-            + f"{n} stride-2 levels keep every patch axis >= 4 voxels; width {base} doubling per level"
+            {
+                "name": "unet",
+                "channels": [min(base * 2**i, 320) for i in range(n + 1)],
+                "strides": [2] * n,
+                "num_res_units": 1 if small else 2,
+            },
+            f"UNet: {n} stride-2 levels keep every patch axis >= 4 voxels; width {base} doubling per level"
             + (" (small: CPU)" if small else "")
             + ", capped at 320",
         )
+    if net == "dynunet-thin":
+        return thin_dynunet_section(patch, spacing)
     if net == "segresnet":
         base = 8 if small else 16
         return (
@@ -175,6 +181,22 @@ def model_section(
             "filters 32 doubling to 320",
         )
     raise ConfigError(f"--net: {net!r} is not a network the planner knows (unet, segresnet, dynunet)")
+
+
+def thin_dynunet_section(patch: list[int], spacing: list[float]) -> tuple[dict[str, Any], str]:
+    """DynUNet by nnU-Net's kernel and stride rule at ``patch``, thinned to 16 filters doubling per
+    level (capped at 320), with up to two deep-supervision heads (one fewer than its decoder levels)."""
+    from medseg.models import dynunet_plan
+
+    kernels, strides = dynunet_plan(patch, spacing)
+    levels = len(strides)
+    filters = [min(16 * 2**i, 320) for i in range(levels)]
+    heads = max(0, min(2, levels - 2))
+    return (
+        {"name": "dynunet", "filters": filters, "deep_supervision": heads},
+        f"thin DynUNet (nnU-Net's rule: kernels {kernels}, strides {strides}), filters {filters}, "
+        f"{heads} deep-supervision heads",
+    )
 
 
 def divisor(net: str, device: str) -> int:

@@ -304,30 +304,31 @@ def test_a_time_budget_without_steps_fills_with_steps(seg_data: Path) -> None:
     assert int(fixed.comments["train.epochs"].split(" steps")[0]) == 1000
 
 
-def test_a_long_time_budget_adds_a_full_resolution_level_and_a_short_one_does_not(seg_data: Path) -> None:
-    """Rule 3: under ``--time-s`` the CPU UNet gains a stride-1 level at the base width when the
-    budget trains that network for at least FULL_RES_STEPS steps; the step time, memory model and
-    steps are then those of the network with that level (its topology probed), and a budget of half
+def test_a_long_time_budget_plans_the_thin_dynunet_and_a_short_one_keeps_the_unet(seg_data: Path) -> None:
+    """Rule 3: under ``--time-s`` the CPU plan trades its small UNet for the thin DynUNet (filters 16
+    doubling, deep supervision) when the budget trains that network for at least THIN_DYNUNET_STEPS
+    steps; the step time, memory model and parameters are then the DynUNet's (its topology probed,
+    its stacked deep-supervision output trained as ``medseg train`` trains it), and a budget of a quarter of
     those steps keeps the plain UNet."""
     from medseg.models import build_network, network_def
     from medseg.planning.planner import plan
-    from medseg.planning.rules import FULL_RES_STEPS, TRAIN_SHARE
+    from medseg.planning.rules import THIN_DYNUNET_STEPS, TRAIN_SHARE
 
     long = plan(seg_data, memory_gb=1.0, device="cpu", time_s=20_000.0, name="long")
     model = long.config["model"]
-    assert model["strides"][0] == 1 and set(model["strides"][1:]) == {2}, model
-    assert model["channels"][0] == model["channels"][1], model
-    assert "full-resolution level" in long.comments["model"]
+    assert model["name"] == "dynunet" and model["deep_supervision"] >= 1, model
+    assert model["filters"] == [16 * 2**i for i in range(len(model["filters"]))], model
+    assert "thin DynUNet" in long.comments["model"]
     steps = int(long.comments["train.epochs"].split(" steps")[0])
-    assert steps == int(TRAIN_SHARE * 20_000.0 / long.predicted_step_s) >= FULL_RES_STEPS
-    assert long.memory.topology == f"channels {model['channels']}, strides {model['strides']}"
-    net = build_network(network_def(config_from_dict(long.config), len(long.fingerprint["labels"])))
-    assert long.params == sum(p.numel() for p in net.parameters())
-    # half the full-resolution steps: the plain UNet, whose steps are cheaper
-    short_s = FULL_RES_STEPS / 2 * long.predicted_step_s / TRAIN_SHARE
+    assert steps == int(TRAIN_SHARE * 20_000.0 / long.predicted_step_s) >= THIN_DYNUNET_STEPS
+    nd = network_def(config_from_dict(long.config), len(long.fingerprint["labels"]))
+    assert long.memory.topology == f"kernels {nd['kernel_size']}, strides {nd['strides']}"
+    assert long.params == sum(p.numel() for p in build_network(nd).parameters())
+    # a quarter of the thin DynUNet's steps (a margin for probe noise): the plain UNet
+    short_s = THIN_DYNUNET_STEPS / 4 * long.predicted_step_s / TRAIN_SHARE
     short = plan(seg_data, memory_gb=1.0, device="cpu", time_s=short_s, name="short")
-    assert set(short.config["model"]["strides"]) == {2}, short.config["model"]
-    assert "so it is not" in short.comments["model"]
+    assert short.config["model"]["name"] == "unet", short.config["model"]
+    assert "so the UNet stays" in short.comments["model"]
 
 
 @pytest.mark.parametrize("wall_budget", [True, False])
