@@ -31,6 +31,7 @@ def rows(results: list[dict]) -> list[dict]:
     for r in results:
         for ev, d in r["eval"].items():
             keep = {k: r[k] for k in ("system", "variant", "seed", "train_cpu_s", "commit", "load")}
+            keep["budget"] = r.get("budget_cpu_min")
             epochs = r.get("epochs") or ("plan's" if r["system"] == "medseg" else "1 x 250 it.")
             out.append({**keep, "epochs": epochs, "eval": ev, **d})
     return out
@@ -48,6 +49,30 @@ def table(flat: list[dict]) -> list[str]:
             f"{r['commit']}, {r['load']:.1f} |"
         )
     return lines
+
+
+def seed_bands(flat: list[dict]) -> list[str]:
+    """Runs repeated over seeds (same system, variant, budget, epochs, evaluation and code): the mean
+    of each Dice with its two-sided range over the seeds (min, max); groups of one seed are left out."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in flat:
+        key = (r["system"], r["variant"], r["budget"], str(r["epochs"]), r["eval"], r["commit"].split("+")[0])
+        groups.setdefault(key, []).append(r)
+    lines = [
+        "| system | variant | budget CPU min | epochs | evaluation | commit | seeds | training CPU min | anterior | posterior | mean |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (system, variant, budget, epochs, ev, commit), rs in sorted(groups.items(), key=str):
+        if len({r["seed"] for r in rs}) < 2:
+            continue
+        band = {k: [r[k] for r in rs] for k in ("train_cpu_s", "dice_Anterior", "dice_Posterior", "dice")}
+        cells = [f"{sum(v) / len(v):.3f} [{min(v):.3f}, {max(v):.3f}]" for v in list(band.values())[1:]]
+        cpu = [c / 60 for c in band["train_cpu_s"]]
+        lines.append(
+            f"| {system} | {variant} | {budget if budget is None else f'{budget:g}'} | {epochs} | {ev} | {commit} | {len(rs)} | "
+            f"{min(cpu):.1f}-{max(cpu):.1f} | " + " | ".join(cells) + " |"
+        )
+    return lines if len(lines) > 2 else []
 
 
 def checks(flat: list[dict]) -> list[str]:
@@ -124,7 +149,9 @@ def plot(flat: list[dict], path: Path) -> None:
 def report(json_path: Path, markdown: Path | None, plot_path: Path | None) -> None:
     results = json.loads(json_path.read_text())["results"]
     flat = rows(results)
-    text = "\n".join([*table(flat), "", "Targets:", "", *checks(flat), *plan_time_check(results)])
+    bands = seed_bands(flat)
+    bands = ["", "Seeds: mean [min, max] over the seeds of one configuration:", "", *bands] if bands else []
+    text = "\n".join([*table(flat), *bands, "", "Targets:", "", *checks(flat), *plan_time_check(results)])
     print(text)
     if plot_path is not None:
         plot(flat, plot_path)

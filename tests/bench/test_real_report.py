@@ -1,4 +1,5 @@
-"""The real-MR benchmark's report (scripts/real_report.py): the plan's step-time target check."""
+"""The real-MR benchmark's report (scripts/real_report.py): the plan's step-time target check and
+the bands over seeds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from real_report import plan_time_check  # noqa: E402
+from real_report import plan_time_check, rows, seed_bands  # noqa: E402
 
 
 def _run(plan_step_s: float, train_step_s: float, epochs: int | None = None) -> dict:
@@ -34,3 +35,26 @@ def test_the_plan_time_check_holds_the_measured_step_within_30_percent(measured:
 
 def test_runs_with_their_own_epochs_are_not_the_plans() -> None:
     assert plan_time_check([_run(0.303, 0.095, epochs=31)]) == []
+
+
+def _result(seed: int, dice: tuple[float, float], commit: str = "abc1234", budget: float = 60.0) -> dict:
+    a, p = dice
+    return {
+        "system": "medseg", "variant": "planned", "budget_cpu_min": budget, "seed": seed, "epochs": None,
+        "train_cpu_s": 3000.0 + seed, "commit": commit, "load": 0.0,
+        "eval": {"as-trained": {"dice_Anterior": a, "dice_Posterior": p, "dice": (a + p) / 2, "cpu_s": 9.0}},
+    }  # fmt: skip
+
+
+def test_seed_bands_give_the_mean_and_both_ends_over_the_seeds_of_one_configuration() -> None:
+    results = [
+        _result(0, (0.88, 0.86)),
+        _result(1, (0.90, 0.87), commit="abc1234+dirty"),  # the same code base
+        _result(2, (0.86, 0.85)),
+        _result(0, (0.70, 0.70), budget=15.0),  # another budget, one seed: no band
+    ]
+    (header, _, line) = seed_bands(rows(results))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[:7] == ["medseg", "planned", "60", "plan's", "as-trained", "abc1234", "3"], cells
+    assert cells[8:] == ["0.880 [0.860, 0.900]", "0.860 [0.850, 0.870]", "0.870 [0.855, 0.885]"], cells
+    assert seed_bands(rows(results[3:])) == []
