@@ -31,7 +31,7 @@ def rows(results: list[dict]) -> list[dict]:
     for r in results:
         for ev, d in r["eval"].items():
             keep = {k: r[k] for k in ("system", "variant", "seed", "train_cpu_s", "commit", "load")}
-            keep["budget"] = r.get("budget_cpu_min")
+            keep["budget"], keep["plan_step_s"] = r.get("budget_cpu_min"), r.get("plan_step_s")
             epochs = r.get("epochs") or ("plan's" if r["system"] == "medseg" else "1 x 250 it.")
             out.append({**keep, "epochs": epochs, "eval": ev, **d})
     return out
@@ -52,24 +52,29 @@ def table(flat: list[dict]) -> list[str]:
 
 
 def seed_bands(flat: list[dict]) -> list[str]:
-    """Runs repeated over seeds (same system, variant, budget, epochs, evaluation and code): the mean
-    of each Dice with its two-sided range over the seeds (min, max); groups of one seed are left out."""
+    """Runs repeated over seeds of one configuration (system, variant, budget, epochs, evaluation, and
+    the plan they trained: ``bench_real.py`` plans once per budget, so its predicted step names the
+    plan): the mean of each Dice with its two-sided range over the seeds (min, max), and the commits
+    they ran on; configurations with one seed are left out."""
     groups: dict[tuple, list[dict]] = {}
     for r in flat:
-        key = (r["system"], r["variant"], r["budget"], str(r["epochs"]), r["eval"], r["commit"].split("+")[0])
+        plan = r["plan_step_s"] or r["commit"].split("+")[0]  # older results name no plan: their code
+        key = (r["system"], r["variant"], r["budget"], str(r["epochs"]), r["eval"], plan)
         groups.setdefault(key, []).append(r)
     lines = [
-        "| system | variant | budget CPU min | epochs | evaluation | commit | seeds | training CPU min | anterior | posterior | mean |",
+        "| system | variant | budget CPU min | epochs | evaluation | commits | seeds | training CPU min | anterior | posterior | mean |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (system, variant, budget, epochs, ev, commit), rs in sorted(groups.items(), key=str):
+    for (system, variant, budget, epochs, ev, _), rs in sorted(groups.items(), key=str):
         if len({r["seed"] for r in rs}) < 2:
             continue
         band = {k: [r[k] for r in rs] for k in ("train_cpu_s", "dice_Anterior", "dice_Posterior", "dice")}
         cells = [f"{sum(v) / len(v):.3f} [{min(v):.3f}, {max(v):.3f}]" for v in list(band.values())[1:]]
         cpu = [c / 60 for c in band["train_cpu_s"]]
+        commit = ", ".join(sorted({r["commit"] for r in rs}))
+        seeds = ", ".join(str(x) for x in sorted(r["seed"] for r in rs))
         lines.append(
-            f"| {system} | {variant} | {budget if budget is None else f'{budget:g}'} | {epochs} | {ev} | {commit} | {len(rs)} | "
+            f"| {system} | {variant} | {budget if budget is None else f'{budget:g}'} | {epochs} | {ev} | {commit} | {seeds} | "
             f"{min(cpu):.1f}-{max(cpu):.1f} | " + " | ".join(cells) + " |"
         )
     return lines if len(lines) > 2 else []

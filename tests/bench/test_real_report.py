@@ -37,10 +37,11 @@ def test_runs_with_their_own_epochs_are_not_the_plans() -> None:
     assert plan_time_check([_run(0.303, 0.095, epochs=31)]) == []
 
 
-def _result(seed: int, dice: tuple[float, float], commit: str = "abc1234", budget: float = 60.0) -> dict:
+def _result(seed: int, dice: tuple[float, float], commit: str = "abc1234", plan_step_s: float = 1.1) -> dict:
     a, p = dice
     return {
-        "system": "medseg", "variant": "planned", "budget_cpu_min": budget, "seed": seed, "epochs": None,
+        "system": "medseg", "variant": "planned", "budget_cpu_min": 60.0, "seed": seed, "epochs": None,
+        "plan_step_s": plan_step_s, "train_step_s": 1.0,
         "train_cpu_s": 3000.0 + seed, "commit": commit, "load": 0.0,
         "eval": {"as-trained": {"dice_Anterior": a, "dice_Posterior": p, "dice": (a + p) / 2, "cpu_s": 9.0}},
     }  # fmt: skip
@@ -49,12 +50,14 @@ def _result(seed: int, dice: tuple[float, float], commit: str = "abc1234", budge
 def test_seed_bands_give_the_mean_and_both_ends_over_the_seeds_of_one_configuration() -> None:
     results = [
         _result(0, (0.88, 0.86)),
-        _result(1, (0.90, 0.87), commit="abc1234+dirty"),  # the same code base
+        _result(1, (0.90, 0.87), commit="def5678"),  # the same plan, on a later commit
         _result(2, (0.86, 0.85)),
-        _result(0, (0.70, 0.70), budget=15.0),  # another budget, one seed: no band
+        _result(3, (0.70, 0.70), plan_step_s=0.3),  # another plan, one seed: no band
     ]
     (header, _, line) = seed_bands(rows(results))
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[:7] == ["medseg", "planned", "60", "plan's", "as-trained", "abc1234", "3"], cells
+    assert cells[:7] == ["medseg", "planned", "60", "plan's", "as-trained", "abc1234, def5678", "0, 1, 2"], (
+        cells
+    )
     assert cells[8:] == ["0.880 [0.860, 0.900]", "0.860 [0.850, 0.870]", "0.870 [0.855, 0.885]"], cells
     assert seed_bands(rows(results[3:])) == []
