@@ -264,6 +264,20 @@ class MemoryModels:
             self.params[key] = probes[0].params
         return self.models[key], self.count_params(nd)
 
+    def time_at(self, mm: MemoryModel, patch: list[int], spacing: list[float], batch: int) -> None:
+        """Time ``patch``'s network at the planned ``batch`` as training runs it and put the time fit
+        through that point (``t0 = measured - k·BV``, the slope kept), for a wall-time budget.
+
+        The two probes run batch 2 at smaller patches, so the fit extrapolates to the planned batch
+        and multiplies their noise: two plans of the thin DynUNet on the same machine predicted
+        1.136 and 0.595 s for its step (training ran it at 0.91-1.21 s). One run at the planned
+        shape costs a few of its steps."""
+        nd = self.net_def(patch, spacing)
+        vox = batch * math.prod(patch)
+        r = run_measure(nd, patch, batch, self.variant, self.device, self.classes, steps=5, wall_clock=True)
+        self.runs += 1
+        mm.t0 = r["step_s"] - mm.k * vox
+
     def _probe(self, nd: dict[str, Any], shape: list[int]) -> Probe:
         """One probe run of network ``nd`` at ``shape``, batch 2."""
         log.info(

@@ -261,15 +261,16 @@ def _thin_dynunet(
     )  # fmt: skip
     try:
         mm, params = thin.get(fit.patch, fit.spacing)
-    except ConfigError as e:  # the UNet's patch does not halve evenly by nnU-Net's rule
+    except ConfigError as e:  # the UNet's patch does not halve evenly by nnU-Net's rule (no probe ran)
         return fit, f"; no thin DynUNet at this patch ({e})"
-    finally:
-        models.runs += thin.runs
-        models.models.update(thin.models)
+    thin.time_at(mm, fit.patch, fit.spacing, batch)
+    models.runs += thin.runs
+    models.models.update(thin.models)
     vox = batch * math.prod(fit.patch)
     steps = int(TRAIN_SHARE * budget.time_s / mm.step_s(vox))
     why = (
-        f"; the budget trains a thin DynUNet for {steps} steps at {mm.step_s(vox):.3f} s"
+        f"; the budget trains a thin DynUNet for {steps} steps at {mm.step_s(vox):.3f} s (its step timed"
+        " at the planned batch)"
         f" (it is chosen from {THIN_DYNUNET_STEPS})"
     )
     if steps >= THIN_DYNUNET_STEPS and mm.total(params, vox) <= SAFETY * budget.bytes:

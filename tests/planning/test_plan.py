@@ -331,6 +331,33 @@ def test_a_long_time_budget_plans_the_thin_dynunet_and_a_short_one_keeps_the_une
     assert "so the UNet stays" in short.comments["model"]
 
 
+def test_the_planned_step_is_timed_at_the_planned_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MemoryModels.time_at``: the probes (batch 2, smaller patches) give the slope; the step run at
+    the planned patch and batch, as training runs it, puts the time fit through its own time, so the
+    prediction there is what was measured there, whatever the probes extrapolated."""
+    from medseg.planning import memory_model
+    from medseg.planning.rules import DEMO_MODEL
+
+    calls: list[tuple[list[int], int, bool]] = []
+
+    def fake_measure(nd, shape, batch, variant, device, classes, steps=1, wall_clock=False):  # noqa: ANN001, ANN202
+        calls.append((list(shape), batch, wall_clock))
+        vox = batch * math.prod(shape)
+        planned = batch == 5
+        return {"params": 1000, "peak_bytes": 100 * vox + 10_000, "static_bytes": 0,
+                "step_s": 0.9 if planned else 1e-6 * vox, "step_cpu_s": 3e-6 * vox}  # fmt: skip
+
+    monkeypatch.setattr(memory_model, "run_measure", fake_measure)
+    base = config_from_dict({"name": "t", "data": {"dir": "."}, "model": DEMO_MODEL}).to_dict()
+    models = memory_model.MemoryModels(base, "unet", "cpu", classes=3, fused=False, cpu_time=False)
+    mm, _ = models.get([32, 32, 32], [1.0, 1.0, 1.0])
+    assert mm.step_s(5 * 32**3) == pytest.approx(1e-6 * 5 * 32**3, rel=1e-3)  # the probes' extrapolation
+    models.time_at(mm, [32, 32, 32], [1.0, 1.0, 1.0], batch=5)
+    assert calls[-1] == ([32, 32, 32], 5, True)
+    assert mm.step_s(5 * 32**3) == pytest.approx(0.9, rel=1e-9)
+    assert mm.k == pytest.approx(1e-6, rel=1e-3)  # the slope stays the probes'
+
+
 @pytest.mark.parametrize("wall_budget", [True, False])
 def test_a_wall_time_budget_times_the_step_as_training_runs_it(
     monkeypatch: pytest.MonkeyPatch, wall_budget: bool
