@@ -240,6 +240,13 @@ class MemoryModels:
         self.params: dict[str, int] = {}
         self.runs = 0  # probe processes started
 
+    def for_net(self, net: str) -> MemoryModels:
+        """Empty models of ``net`` measured as these are (same base config, classes, variant, clock)."""
+        return MemoryModels(
+            self.base, net, self.device, self.classes, self.variant == "fused",
+            self.cpu_time, self.timed, self.data_k,
+        )  # fmt: skip
+
     def net_def(self, patch: list[int], spacing: list[float]) -> dict[str, Any]:
         from medseg.models import network_def
 

@@ -255,10 +255,7 @@ def _thin_dynunet(
     ``fit`` as it is. Also the choice's reason, for the plan's comment."""
     if not (budget.fill and budget.time_s and net == "unet" and device == "cpu"):
         return fit, ""
-    thin = MemoryModels(
-        models.base, "dynunet-thin", device, models.classes, models.variant == "fused",
-        models.cpu_time, models.timed, models.data_k,
-    )  # fmt: skip
+    thin = models.for_net("dynunet-thin")
     try:
         mm, params = thin.get(fit.patch, fit.spacing)
     except ConfigError as e:  # the UNet's patch does not halve evenly by nnU-Net's rule (no probe ran)
@@ -269,9 +266,8 @@ def _thin_dynunet(
     vox = batch * math.prod(fit.patch)
     steps = int(TRAIN_SHARE * budget.time_s / mm.step_s(vox))
     why = (
-        f"; the budget trains a thin DynUNet for {steps} steps at {mm.step_s(vox):.3f} s (its step timed"
-        " at the planned batch)"
-        f" (it is chosen from {THIN_DYNUNET_STEPS})"
+        f"; the budget trains a thin DynUNet for {steps} steps at {mm.step_s(vox):.3f} s (timed at the"
+        f" planned batch; it is chosen from {THIN_DYNUNET_STEPS} steps)"
     )
     if steps >= THIN_DYNUNET_STEPS and mm.total(params, vox) <= SAFETY * budget.bytes:
         return replace(fit, params=params, memory=mm, net="dynunet-thin"), why

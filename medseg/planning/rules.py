@@ -50,9 +50,8 @@ MIN_COVER = 0.25  # nnU-Net: the patch should see at least a quarter of a median
 DEFAULT_STEPS = {"cpu": 1000, "cuda": 25000}  # training steps of the planned batch (patches per step)
 NUM_SAMPLES = 4  # at most this many patches drawn per cached volume per step (as the demo)
 MAX_BATCH_SHARE = 0.05  # one batch holds at most this share of the dataset's voxels
-THIN_DYNUNET_STEPS = (
-    450  # a CPU time budget plans the thin DynUNet (rules, 3.) when it trains this many steps
-)
+# a CPU time budget plans the thin DynUNet (rules, 3.) when it trains it for this many steps
+THIN_DYNUNET_STEPS = 450
 # The demo's segmentation training (configs/demo-seg.yaml; tests/planning/test_plan.py checks they agree): on
 # --device cpu without --time-s, a plan may cost at most what the demo's DEMO_STEPS steps of
 # DEMO_BATCH cases x DEMO_SAMPLES patches cost (80 epochs of ceil(13 / 4) steps on its 13 training
