@@ -7,7 +7,8 @@ The order of :func:`build_run` is part of the run's reproducibility: the weights
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -109,6 +110,25 @@ def profile_step(
     return step
 
 
+@contextmanager
+def buffers_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Put ``model``'s buffers back as they were on entry (the parameters are not updated inside).
+
+    Profiling runs training-mode forwards on the probe: BatchNorm would fold the probe's statistics
+    into its running estimates, r <- (1 - m) r + m mean(probe), once per timed step, and each rank
+    times a different number of steps. The ranks' initial models would then differ by chance, and
+    rank 0's would cross the WAN (:func:`~medseg.distributed.sync.common.one_initial_model`) on some
+    runs and not on others.
+    """
+    saved = [b.detach().clone() for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(model.buffers(), saved):
+                buffer.copy_(value)
+
+
 def build_run(cfg: Config, session: LocalSession, paths: RunPaths, progress: bool) -> Run:
     """Read the dataset, build the model and its optimizer, profile this rank, load its cases."""
     t = cfg.train
@@ -134,7 +154,8 @@ def build_run(cfg: Config, session: LocalSession, paths: RunPaths, progress: boo
     base_optimizer = build_optimizer(cfg, model)
     probe = probe_batch(cfg, len(labels), device)
     train_start = time.time()  # before profiling: time-to-accuracy counts it, not imports or start-up
-    session.prepare(profile_step(model, task, probe, device, use_amp), model)
+    with buffers_kept(model):
+        session.prepare(profile_step(model, task, probe, device, use_amp), model)
     session.phase("load")
     data = make_train_data(cfg, session, split, check_cases=several)  # this rank's own cases, cached once
     session.report(

@@ -240,3 +240,28 @@ def test_each_rank_checks_the_files_of_the_cases_it_loads(seg_data: Path, tmp_pa
     make_train_data(cfg, Rank(others), split, check_cases=True)  # not this rank's case: not its error
     with pytest.raises(DataError, match=f"{label.name}: label shape"):
         make_train_data(cfg, Rank([0, 1]), split, check_cases=True)
+
+
+def test_profiling_leaves_the_models_batchnorm_statistics_as_they_were() -> None:
+    """A rank's speed is timed with training-mode forwards on a probe batch; BatchNorm's running
+    statistics must come out as they went in, or ranks that timed different step counts start
+    from different models."""
+    from monai.networks.nets import UNet
+
+    from medseg.training.build import buffers_kept
+
+    torch.manual_seed(0)
+    net = UNet(3, 1, 2, (4, 8), (2,), num_res_units=1, norm="batch")
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    probe = torch.randn(2, 1, 16, 16, 16) * 3 + 1
+
+    def step() -> None:
+        net(probe).sum().backward()
+        net.zero_grad(set_to_none=True)
+
+    with buffers_kept(net):
+        for _ in range(3):
+            step()
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    step()  # outside it the same step does move the statistics
+    assert any(not torch.equal(before[k], v) for k, v in net.state_dict().items() if "running" in k)
