@@ -134,12 +134,13 @@ def evaluate_medseg(run: Path, held_dir: Path, log: Path) -> dict:
             ],
             log,
         )
-        summary = json.loads((run / f"eval-{held_dir.name}.json").read_text())["summary"]
+        result = json.loads((run / f"eval-{held_dir.name}.json").read_text())
+        summary, keys = result["summary"], ("dice_Anterior", "dice_Posterior")
         out[name] = {
             "dice": summary["dice"],
-            "dice_Anterior": summary["dice_Anterior"],
-            "dice_Posterior": summary["dice_Posterior"],
+            **{k: summary[k] for k in keys},
             "cpu_s": round(cpu, 1),
+            "per_case": {k: [c[k] for c in result["cases"]] for k in keys},  # held-out case order
         }
     return out
 
@@ -210,8 +211,10 @@ def nnunet_dice(pred_dir: Path, held_dir: Path) -> dict:
         k = max(labels) + 1
         d = DiceMetric(include_background=False, reduction="none")(one_hot(pred, k), one_hot(ref, k))[0]
         rows.append(d.tolist())
-    per = {f"dice_{labels[c]}": sum(r[i] for r in rows) / len(rows) for i, c in enumerate(sorted(labels))}
-    return {"dice": sum(per.values()) / len(per), **per}
+    names = [f"dice_{labels[c]}" for c in sorted(labels)]
+    per = {k: sum(r[i] for r in rows) / len(rows) for i, k in enumerate(names)}
+    cases = {k: [r[i] for r in rows] for i, k in enumerate(names)}
+    return {"dice": sum(per.values()) / len(per), **per, "per_case": cases}
 
 
 def nnunet_one(source: Path, work: Path, trainer: str, seed: int) -> dict:

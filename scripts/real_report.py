@@ -80,6 +80,38 @@ def seed_bands(flat: list[dict]) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+def held_out_band(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A two-sided ``level`` interval for the mean Dice over the held-out population a 40-case sample
+    stands for: SciPy's bias-corrected and accelerated bootstrap over the cases (10,000 resamples,
+    fixed seed). It bounds the held-out sampling error of one trained model, not the seed-to-seed
+    spread (:func:`seed_bands`)."""
+    from scipy.stats import bootstrap
+
+    ci = bootstrap((values,), lambda x, axis: x.mean(axis=axis), vectorized=True, n_resamples=10_000,
+                   confidence_level=level, method="BCa", rng=0).confidence_interval  # fmt: skip
+    return float(ci.low), float(ci.high)
+
+
+def case_bands(flat: list[dict]) -> list[str]:
+    """Rows whose per-case Dice were kept: each label's held-out mean with its 95% bootstrap band."""
+    lines = [
+        "| system | variant | evaluation | seed | training CPU min | anterior [95% band] | posterior [95% band] |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(flat, key=lambda r: (r["system"], r["train_cpu_s"], r["variant"], r["eval"])):
+        if "per_case" not in r:
+            continue
+        cells = []
+        for k in PUBLISHED:
+            lo, hi = held_out_band(r["per_case"][k])
+            cells.append(f"{r[k]:.3f} [{lo:.3f}, {hi:.3f}]")
+        lines.append(
+            f"| {r['system']} | {r['variant']} | {r['eval']} | {r['seed']} | {r['train_cpu_s'] / 60:.1f} | "
+            + " | ".join(cells) + " |"
+        )
+    return lines if len(lines) > 2 else []
+
+
 def checks(flat: list[dict]) -> list[str]:
     ref = [r for r in flat if r["system"] == "medseg" and (r["variant"], r["eval"]) == REFERENCE]
     nn = [r for r in flat if r["system"] == "nnunet"]
@@ -104,8 +136,12 @@ def checks(flat: list[dict]) -> list[str]:
     met = [r for r in hour if all(r[k] >= v for k, v in PUBLISHED.items())]
     best = max(hour, key=lambda r: r["dice"], default=None)
     if best is not None:
+        band = ""
+        if "per_case" in best:
+            ends = [held_out_band(best["per_case"][k]) for k in PUBLISHED]
+            band = " (95% held-out bands " + " / ".join(f"[{lo:.3f}, {hi:.3f}]" for lo, hi in ends) + ")"
         out.append(
-            f"- within 60 CPU min, Dice >= 0.90 / 0.89: best {best['dice_Anterior']:.3f} / {best['dice_Posterior']:.3f} "
+            f"- within 60 CPU min, Dice >= 0.90 / 0.89: best {best['dice_Anterior']:.3f} / {best['dice_Posterior']:.3f}{band} "
             f"({best['variant']}, {best['eval']}, {best['train_cpu_s'] / 60:.0f} CPU min): {'PASS' if met else 'FAIL'}"
         )
     return out
@@ -161,7 +197,12 @@ def report(json_path: Path, markdown: Path | None, plot_path: Path | None) -> No
     flat = rows(results)
     bands = seed_bands(flat)
     bands = ["", "Seeds: mean [min, max] over the seeds of one configuration:", "", *bands] if bands else []
-    text = "\n".join([*table(flat), *bands, "", "Targets:", "", *checks(flat), *plan_time_check(results)])
+    cases = case_bands(flat)
+    if cases:
+        cases = ["", "Held-out cases: mean with its 95% bootstrap band over the 40 cases (runs that kept them):", "", *cases]
+    text = "\n".join(
+        [*table(flat), *bands, *cases, "", "Targets:", "", *checks(flat), *plan_time_check(results)]
+    )
     print(text)
     if plot_path is not None:
         plot(flat, plot_path)

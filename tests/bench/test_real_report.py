@@ -61,3 +61,32 @@ def test_seed_bands_give_the_mean_and_both_ends_over_the_seeds_of_one_configurat
     )
     assert cells[8:] == ["0.880 [0.860, 0.900]", "0.860 [0.850, 0.870]", "0.870 [0.855, 0.885]"], cells
     assert seed_bands(rows(results[3:])) == []
+
+
+def test_the_held_out_band_is_two_sided_and_as_wide_as_the_mean_s_standard_error() -> None:
+    """Against the normal-theory interval: for 40 cases the bootstrap band of the mean is about
+    mean +- 1.96 s / sqrt(40) wide (s: the cases' standard deviation)."""
+    import numpy as np
+
+    from real_report import held_out_band
+
+    values = np.random.default_rng(3).normal(0.88, 0.04, size=40)
+    lo, hi = held_out_band(values.tolist())
+    half = 1.96 * values.std(ddof=1) / np.sqrt(len(values))
+    assert lo < values.mean() < hi
+    assert abs((hi - lo) / 2 - half) < 0.15 * half, ((hi - lo) / 2, half)
+    assert abs((lo + hi) / 2 - values.mean()) < 0.25 * half
+
+
+def test_runs_that_kept_their_cases_get_a_band_and_the_target_line_names_it() -> None:
+    from real_report import case_bands, checks
+
+    result = _result(0, (0.88, 0.87))
+    result["eval"]["as-trained"]["per_case"] = {
+        "dice_Anterior": [0.86, 0.88, 0.90] * 10, "dice_Posterior": [0.85, 0.87, 0.89] * 10
+    }  # fmt: skip
+    result["train_cpu_s"] = 3000.0
+    (_, _, line) = case_bands(rows([result, _result(1, (0.8, 0.8))]))
+    assert line.startswith("| medseg | planned | as-trained | 0 | 50.0 | 0.880 [0.8"), line
+    (target,) = checks(rows([result]))
+    assert "95% held-out bands [0.87" in target and target.endswith("FAIL"), target
