@@ -8,7 +8,9 @@ Segmentation: the patch starts as the median image at the target spacing (rounde
 network's divisor) and shrinks, one divisor step on the axis whose patch is largest relative to the
 median image, until the predicted total (batch 2) is within ``SAFETY`` (90%) of the budget and, on
 ``--device cpu``, ``steps`` training steps take at most ``TRAIN_SHARE`` of ``--time-s`` (without
-``--time-s`` on CPU: at most the demo's compute, measured now). With ``--time-s`` and no ``--steps``,
+``--time-s`` on CPU: at most the demo's compute, measured now); the fitted patch is then grown back
+one step at a time on any axis that still fits, since one step off a short axis can free more than
+was needed. With ``--time-s`` and no ``--steps``,
 the steps then grow to fill ``TRAIN_SHARE`` of the budget at the fitted patch and batch, so a larger
 budget trains longer once the patch covers the image. If the patch then sees less than a
 quarter of a median image, the spacing is coarsened and the search is repeated. The batch is then
@@ -339,21 +341,22 @@ def _fit_patch(
     budget: Budget,
 ) -> tuple[list[int], int, str, MemoryModel]:
     """Largest patch (batch 2) under memory and time; returns patch, its network's params, what bound
-    it, and the memory model of its network (measured for that topology, :class:`MemoryModels`)."""
+    it, and the memory model of its network (measured for that topology, :class:`MemoryModels`).
+
+    nnU-Net's rule: start from the median image (each axis rounded up to the network's divisor ``d``)
+    and, while the patch does not fit, take ``d`` off the axis with the largest patch/median ratio.
+    One step on a short axis can free more than was needed, so the fitted patch is then grown back
+    (:func:`_grow_back`) until no axis can take ``d`` more."""
     div = divisor(net, device)
-    patch = [max(div, int(math.ceil(m / div)) * div) for m in median_shape]
-    bound = "the median image fits whole"
+    cap = [max(div, int(math.ceil(m / div)) * div) for m in median_shape]
+    patch, bound = list(cap), "the median image fits whole"
     while True:
-        valid = valid_patch(net, patch, spacing)
-        over_mem = over_time = False
-        if valid:
-            mm, params = models.get(patch, spacing)
-            vox = 2 * math.prod(patch)
-            over_mem = mm.total(params, vox) > SAFETY * budget.bytes
-            over_time = budget.per_step is not None and mm.step_s(vox) > budget.per_step
-            if not over_mem and not over_time:
-                return patch, params, bound, mm
-        bound = "memory" if over_mem else ("time" if over_time else "divisibility")
+        broke, mm, params = _try_patch(net, patch, spacing, models, budget)
+        if not broke:
+            patch, mm, params = _grow_back(net, div, patch, (cap, median_shape), spacing, models, budget)
+            return patch, params, bound, mm
+        if broke != "divisibility" or bound == "the median image fits whole":
+            bound = broke  # an invalid patch keeps an earlier bound's name
         ratios = [p / m for p, m in zip(patch, median_shape)]
         order = sorted(range(3), key=lambda a: (-ratios[a], -patch[a]))
         for a in order:
@@ -367,6 +370,51 @@ def _fit_patch(
                 f"no patch of at least {div} voxels a side fits: the budget is too small "
                 f"({budget.bytes / GB:.2f} GiB{per_step}); raise --memory-gb or --time-s"
             )
+
+
+def _try_patch(
+    net: str, patch: list[int], spacing: list[float], models: MemoryModels, budget: Budget
+) -> tuple[str, Any, int]:
+    """What a batch-2 patch breaks ('' when it fits, else 'memory', 'time' or 'divisibility'), with the
+    memory model and parameter count of its network (None, 0 when the patch is invalid for it)."""
+    if not valid_patch(net, patch, spacing):
+        return "divisibility", None, 0
+    mm, params = models.get(patch, spacing)
+    vox = 2 * math.prod(patch)
+    if mm.total(params, vox) > SAFETY * budget.bytes:
+        return "memory", mm, params
+    if budget.per_step is not None and mm.step_s(vox) > budget.per_step:
+        return "time", mm, params
+    return "", mm, params
+
+
+def _grow_back(
+    net: str,
+    div: int,
+    patch: list[int],
+    shapes: tuple[list[int], list[float]],
+    spacing: list[float],
+    models: MemoryModels,
+    budget: Budget,
+) -> tuple[list[int], Any, int]:
+    """A fitting patch grown ``div`` voxels at a time, the axis with the smallest patch/median ratio
+    first, while it still fits and no axis passes ``cap``, the median image's shape rounded up to
+    ``div`` (``shapes`` is ``(cap, median_shape)``); ends when every axis one step larger would break
+    the budget, be invalid for the network, or pass ``cap``."""
+    cap, median_shape = shapes
+    _, mm, params = _try_patch(net, patch, spacing, models, budget)
+    grown = True
+    while grown:
+        grown = False
+        for a in sorted(range(3), key=lambda a: (patch[a] / median_shape[a], patch[a])):
+            if patch[a] + div > cap[a]:
+                continue
+            trial = [p + (div if i == a else 0) for i, p in enumerate(patch)]
+            broke, t_mm, t_params = _try_patch(net, trial, spacing, models, budget)
+            if not broke:
+                patch, mm, params, grown = trial, t_mm, t_params, True
+                break
+    return patch, mm, params
 
 
 def _batch(fit: PatchFit, budget: Budget, dataset_vox: float) -> int:

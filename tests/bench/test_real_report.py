@@ -67,7 +67,6 @@ def test_the_held_out_band_is_two_sided_and_as_wide_as_the_mean_s_standard_error
     """Against the normal-theory interval: for 40 cases the bootstrap band of the mean is about
     mean +- 1.96 s / sqrt(40) wide (s: the cases' standard deviation)."""
     import numpy as np
-
     from real_report import held_out_band
 
     values = np.random.default_rng(3).normal(0.88, 0.04, size=40)

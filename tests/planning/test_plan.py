@@ -173,7 +173,9 @@ def test_plan_writes_a_trainable_config_and_verify_holds(seg_data: Path, tmp_pat
     from medseg.planning.planner import plan
     from medseg.planning.rules import SAFETY, divisor
 
-    budget_gb = 0.02
+    # the whole 48x48x16 median image is predicted at about 14-17 MiB here (it drifts with the machine's
+    # allocator); 0.012 GiB leaves 11 MiB, so memory binds with room to spare (0.02 GiB did not, in CI)
+    budget_gb = 0.012
     p = plan(seg_data, memory_gb=budget_gb, device="cpu", time_s=0, name="planned")
     out = write_plan(p, tmp_path / "planned.yaml")
     text = out.read_text()
