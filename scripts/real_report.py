@@ -107,7 +107,8 @@ def case_bands(flat: list[dict]) -> list[str]:
             cells.append(f"{r[k]:.3f} [{lo:.3f}, {hi:.3f}]")
         lines.append(
             f"| {r['system']} | {r['variant']} | {r['eval']} | {r['seed']} | {r['train_cpu_s'] / 60:.1f} | "
-            + " | ".join(cells) + " |"
+            + " | ".join(cells)
+            + " |"
         )
     return lines if len(lines) > 2 else []
 
@@ -199,7 +200,12 @@ def report(json_path: Path, markdown: Path | None, plot_path: Path | None) -> No
     bands = ["", "Seeds: mean [min, max] over the seeds of one configuration:", "", *bands] if bands else []
     cases = case_bands(flat)
     if cases:
-        cases = ["", "Held-out cases: mean with its 95% bootstrap band over the 40 cases (runs that kept them):", "", *cases]
+        cases = [
+            "",
+            "Held-out cases: mean with its 95% bootstrap band over the 40 cases (runs that kept them):",
+            "",
+            *cases,
+        ]
     text = "\n".join(
         [*table(flat), *bands, *cases, "", "Targets:", "", *checks(flat), *plan_time_check(results)]
     )

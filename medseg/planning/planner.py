@@ -11,8 +11,9 @@ median image, until the predicted total (batch 2) is within ``SAFETY`` (90%) of 
 ``--time-s`` on CPU: at most the demo's compute, measured now); the fitted patch is then grown back
 one step at a time on any axis that still fits, since one step off a short axis can free more than
 was needed. With ``--time-s`` and no ``--steps``,
-the steps then grow to fill ``TRAIN_SHARE`` of the budget at the fitted patch and batch, so a larger
-budget trains longer once the patch covers the image. If the patch then sees less than a
+the steps are then set to fill ``TRAIN_SHARE`` of the budget at the fitted patch and batch, so a larger
+budget trains longer once the patch covers the image, and the thin DynUNet's step (timed last, at the
+planned batch) never stretches training past the budget. If the patch then sees less than a
 quarter of a median image, the spacing is coarsened and the search is repeated. The batch is then
 raised from 2 (:mod:`medseg.planning.rules`, 4.). ``--verify`` measures the batch the config trains
 with: ``train.batch_size`` cases times ``transforms.num_samples`` patches.
@@ -207,9 +208,8 @@ def _plan_segmentation(
     net = fit.net or net
     cases, samples = split_batch(batch)
     if budget.fill and budget.time_s:
-        budget.steps = max(
-            budget.steps, int(TRAIN_SHARE * budget.time_s / fit.memory.step_s(batch * math.prod(fit.patch)))
-        )
+        # the steps the budget holds, fewer than the default where the timed step is slow
+        budget.steps = int(TRAIN_SHARE * budget.time_s / fit.memory.step_s(batch * math.prod(fit.patch)))
     epochs, spe = epochs_for(budget.steps, n_train, cases)
     model, model_why = model_section(net, device, fit.patch, fit.spacing)
     cfg = _segmentation_config(base, fit.patch, samples, model, epochs, cases, fused)

@@ -314,7 +314,7 @@ def test_a_long_time_budget_plans_the_thin_dynunet_and_a_short_one_keeps_the_une
     those steps keeps the plain UNet."""
     from medseg.models import build_network, network_def
     from medseg.planning.planner import plan
-    from medseg.planning.rules import THIN_DYNUNET_STEPS, TRAIN_SHARE
+    from medseg.planning.rules import DEFAULT_STEPS, THIN_DYNUNET_STEPS, TRAIN_SHARE
 
     long = plan(seg_data, memory_gb=1.0, device="cpu", time_s=20_000.0, name="long")
     model = long.config["model"]
@@ -326,6 +326,13 @@ def test_a_long_time_budget_plans_the_thin_dynunet_and_a_short_one_keeps_the_une
     nd = network_def(config_from_dict(long.config), len(long.fingerprint["labels"]))
     assert long.memory.topology == f"kernels {nd['kernel_size']}, strides {nd['strides']}"
     assert long.params == sum(p.numel() for p in build_network(nd).parameters())
+    # a budget between THIN_DYNUNET_STEPS and the default 1000 steps of it: the thin DynUNet, trained for
+    # the steps the budget holds, not the default's (a slower machine overran a 60-minute plan by 1.8x)
+    mid_s = (THIN_DYNUNET_STEPS + DEFAULT_STEPS["cpu"]) / 2 * long.predicted_step_s / TRAIN_SHARE
+    mid = plan(seg_data, memory_gb=1.0, device="cpu", time_s=mid_s, name="mid")
+    assert mid.config["model"]["name"] == "dynunet", mid.comments["model"]
+    mid_steps = int(mid.comments["train.epochs"].split(" steps")[0])
+    assert mid_steps * mid.predicted_step_s <= TRAIN_SHARE * mid_s, mid.comments["train.epochs"]
     # a quarter of the thin DynUNet's steps (a margin for probe noise): the plain UNet
     short_s = THIN_DYNUNET_STEPS / 4 * long.predicted_step_s / TRAIN_SHARE
     short = plan(seg_data, memory_gb=1.0, device="cpu", time_s=short_s, name="short")
