@@ -106,6 +106,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 1e-5
     optimizer: Literal["adamw", "adam", "sgd"] = "adamw"
+    momentum: float = 0.9  # sgd: its Nesterov momentum (nnU-Net's: 0.99, with lr 0.01, weight_decay 3e-5)
     scheduler: Literal["cosine", "poly", "none"] = "cosine"  # poly: lr (1 - epoch / epochs)^0.9
     val_interval: int = 1
     stop_at: float = 0.0  # stop once the key validation metric reaches this (0 = train every epoch)

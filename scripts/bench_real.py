@@ -39,17 +39,16 @@ ROOT = Path(__file__).resolve().parents[1]
 MEDSEG = ROOT / ".venv" / "bin" / "medseg"
 NNUNET_BIN = ROOT / ".venv-nnunet" / "bin"
 
+#: nnU-Net's optimiser: SGD, Nesterov momentum 0.99, lr 0.01, weight decay 3e-5, poly schedule
+SGD_POLY = [
+    "train.optimizer=sgd", "train.momentum=0.99", "train.lr=0.01", "train.weight_decay=3e-5", "train.scheduler=poly"
+]  # fmt: skip
 #: recipe variants: train-time overrides of the planned config
 VARIANTS = {
     "planned": [],
     "nnunet-aug": ["transforms.augment_recipe=nnunet"],
-    "sgd-poly": ["train.optimizer=sgd", "train.lr=0.01", "train.scheduler=poly"],
-    "nnunet-aug-sgd-poly": [
-        "transforms.augment_recipe=nnunet",
-        "train.optimizer=sgd",
-        "train.lr=0.01",
-        "train.scheduler=poly",
-    ],
+    "sgd-poly": SGD_POLY,
+    "nnunet-aug-sgd-poly": ["transforms.augment_recipe=nnunet", *SGD_POLY],
     # nnU-Net's network (DynUNet, 32-320 features, its kernel/stride rule) without and with deep supervision
     "dynunet": ["model.name=dynunet"],
     "dynunet-ds": ["model.name=dynunet", "model.deep_supervision=2"],

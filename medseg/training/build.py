@@ -30,10 +30,12 @@ def pick_device(choice: str) -> torch.device:
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW, Adam, or SGD with Nesterov momentum m (``train.momentum``): with b_0 = 0,
+    b_t = m b_{t-1} + g_t and w_t = w_{t-1} - lr (g_t + m b_t), g_t including weight decay."""
     t = cfg.train
     if t.optimizer == "sgd":
         return torch.optim.SGD(
-            model.parameters(), lr=t.lr, momentum=0.9, weight_decay=t.weight_decay, nesterov=True
+            model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay, nesterov=True
         )
     cls = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
     return cls(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)

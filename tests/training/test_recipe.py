@@ -19,7 +19,7 @@ from medseg.inference.evaluate import evaluate
 from medseg.inference.predict import keep_largest_components
 from medseg.inference.segment import mirror_averaged
 from medseg.training import transforms as tf
-from medseg.training.build import build_scheduler
+from medseg.training.build import build_optimizer, build_scheduler
 from medseg.training.data import read_dataset
 from tests.conftest import tiny_seg_config
 
@@ -65,6 +65,26 @@ def test_poly_schedule_is_nnunets_closed_form(tmp_path: Path) -> None:
         sched.step()
     expected = [cfg.train.lr * (1 - e / 10) ** 0.9 for e in range(10)]
     np.testing.assert_allclose(seen, expected, rtol=1e-6)
+
+
+def test_sgd_takes_the_configured_nesterov_momentum(tmp_path: Path) -> None:
+    """A constant gradient g from w_0 = 0 (no weight decay): Nesterov's buffer is b_1 = g, b_2 = (1 + m) g,
+    so w_1 = -lr (1 + m) g and w_2 = w_1 - lr (1 + m + m^2) g."""
+    cfg = tiny_seg_config(tmp_path, tmp_path)
+    cfg.train.optimizer, cfg.train.momentum, cfg.train.lr, cfg.train.weight_decay = "sgd", 0.99, 0.01, 0.0
+    model = torch.nn.Linear(3, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    g = torch.tensor([[1.0, -2.0, 0.5]])
+    opt = build_optimizer(cfg, model)
+    seen = []
+    for _ in range(2):
+        opt.zero_grad()
+        (model.weight * g).sum().backward()
+        opt.step()
+        seen.append(model.weight.detach().clone())
+    m, lr = 0.99, 0.01
+    torch.testing.assert_close(seen[0], -lr * (1 + m) * g)
+    torch.testing.assert_close(seen[1], -lr * (1 + m) * g - lr * (1 + m + m * m) * g)
 
 
 def test_nnunet_augmentation_keeps_labels_and_patch(seg_data: Path, tmp_path: Path) -> None:
