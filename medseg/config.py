@@ -7,6 +7,7 @@ schema; a wrong key or value raises :class:`ConfigError` naming the dotted key a
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from typing import Any, Literal
 import yaml
 
 from medseg.errors import ConfigError
+
+_YAML11_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 Task = Literal["segmentation", "classification"]
 SEG_NETS = ("unet", "segresnet", "dynunet", "swinunetr")
@@ -292,6 +295,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value):
+            return float(value)  # YAML 1.1 reads 3e-5 (no dot) as a string; YAML 1.2 and users read a number
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)

@@ -72,6 +72,19 @@ def test_overrides_parse_yaml_values() -> None:
         apply_overrides({}, ["train.epochs"])
 
 
+def test_exponent_numbers_without_a_dot_are_numbers(tmp_path: Path) -> None:
+    """PyYAML (YAML 1.1) loads ``3e-5`` as a string; a float field takes it as the number it reads as."""
+    assert yaml.safe_load("w: 3e-5")["w"] == "3e-5"  # the quirk this guards against
+    cfg = config_from_dict(apply_overrides({}, ["train.weight_decay=3e-5", "train.lr=1E-2"]))
+    assert (cfg.train.weight_decay, cfg.train.lr) == (3e-5, 1e-2)
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  weight_decay: 3e-5\n")
+    assert load_config(path).train.weight_decay == 3e-5
+    for field, bad in (("lr", "e5"), ("lr", "fast"), ("epochs", "3e5")):
+        with pytest.raises(ConfigError, match=f"train.{field}: expected an? (number|integer)"):
+            config_from_dict({"train": {field: bad}})
+
+
 def test_network_that_cannot_be_built_is_a_config_error() -> None:
     from medseg.models import build_network
 
