@@ -382,6 +382,8 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"train.{key}: must be at least 1")
     if cfg.train.lr <= 0:
         raise ConfigError("train.lr: must be positive")
+    if not 0.0 < cfg.train.momentum < 1.0:  # torch's Nesterov SGD refuses 0; 1 or more never decays
+        raise ConfigError(f"train.momentum: expected a number in (0, 1), got {cfg.train.momentum}")
     if not 0 <= cfg.train.until_epoch <= cfg.train.epochs:
         raise ConfigError(f"train.until_epoch: expected 0 (off) to train.epochs ({cfg.train.epochs})")
     d = cfg.dist

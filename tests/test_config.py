@@ -85,6 +85,13 @@ def test_exponent_numbers_without_a_dot_are_numbers(tmp_path: Path) -> None:
             config_from_dict({"train": {field: bad}})
 
 
+def test_sgd_momentum_is_within_0_and_1() -> None:
+    assert config_from_dict({"train": {"optimizer": "sgd", "momentum": 0.99}}).train.momentum == 0.99
+    for momentum in (0.0, 1.0):
+        with pytest.raises(ConfigError, match=r"train.momentum: expected a number in \(0, 1\)"):
+            config_from_dict({"train": {"momentum": momentum}})
+
+
 def test_network_that_cannot_be_built_is_a_config_error() -> None:
     from medseg.models import build_network
 
